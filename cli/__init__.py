@@ -1,0 +1,1 @@
+"""The rlx command-line interface."""

@@ -1,0 +1,222 @@
+"""The ``rlx`` command. Commands are thin: they parse arguments and call the core.
+
+Nothing here imports torch at module level, so ``rlx --help`` and ``rlx plugins list`` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from rlx import __version__
+from rlx.errors import UserError
+
+app = typer.Typer(name="rlx", help="Reinforcement-learning post-training (PPO, GRPO) for Hugging Face LLMs.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+plugins_app = typer.Typer(help="List and inspect plugins.", no_args_is_help=True)
+config_app = typer.Typer(help="Show or check the resolved configuration.", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+app.add_typer(config_app, name="config")
+
+EXIT_USER_ERROR = 2
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rlx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """rlx: PPO and GRPO for Hugging Face models, with plugins for backends, engines, algorithms, rewards."""
+
+
+def _pm():
+    from rlx.registry import get_plugin_manager
+
+    return get_plugin_manager()
+
+
+# -- plugins -----------------------------------------------------------------------------------
+@plugins_app.command("list")
+def plugins_list(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+                 ) -> None:
+    """Every component of every installed plugin: distribution, version, kind, name, status."""
+    pm = _pm()
+    rows: list[dict[str, Any]] = [
+        {"distribution": c.distribution, "version": c.version, "kind": c.kind, "name": c.name,
+         "status": "ok", "plugin": c.plugin, "summary": c.summary}
+        for c in pm.components().values()
+    ]
+    for p in pm.plugins:
+        if p.status != "ok":
+            rows.append({"distribution": p.distribution, "version": p.version, "kind": "-", "name": p.name,
+                         "status": p.status, "plugin": p.name, "summary": p.error})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rlx plugins")
+    for col in ("kind", "name", "distribution", "version", "status", "summary"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
+        table.add_row(r["kind"], r["name"], r["distribution"], r["version"], status, r["summary"])
+    Console().print(table)
+
+
+@plugins_app.command("show")
+def plugins_show(name: Annotated[str, typer.Argument(help="Component name, e.g. grpo or hf.")],
+                 kind: Annotated[str | None, typer.Option(help="Component kind if the name is ambiguous.")]
+                 = None) -> None:
+    """A component's options, with their types, defaults and help."""
+    pm = _pm()
+    found = [pm.get(kind, name)] if kind else pm.find(name)
+    if not found:
+        from rlx.errors import did_you_mean
+
+        names = sorted({n for (_, n) in pm.components()})
+        raise UserError(f"No component named {name!r}.{did_you_mean(name, names)}",
+                        "Run `rlx plugins list` to see every component.")
+    for comp in found:
+        typer.echo(f"{comp.kind} {comp.name!r}  (plugin {comp.plugin}, {comp.distribution} {comp.version})")
+        if comp.summary:
+            typer.echo(f"  {comp.summary}")
+        model = comp.load_config_model()
+        if model is None:
+            typer.echo("  (no options)")
+            continue
+        section = {"logger": f"loggers.{comp.name}"}.get(comp.kind, comp.kind)
+        typer.echo(f"  options (set as {section}.KEY=VALUE):")
+        for fname, field in model.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            ann = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+            typer.echo(f"    {fname}: {ann} = {default!r}")
+            if field.description:
+                typer.echo(f"        {field.description}")
+
+
+# -- config -------------------------------------------------------------------------------------
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="YAML config file.")]
+PresetOpt = Annotated[str | None, typer.Option("--preset", help="Built-in preset (e.g. tiny).")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="Training backend (backend.name).")]
+RolloutOpt = Annotated[str | None, typer.Option("--rollout", help="Rollout engine (rollout.name).")]
+AlgorithmOpt = Annotated[str | None, typer.Option("--algorithm", help="Algorithm (algorithm.name).")]
+RewardOpt = Annotated[str | None, typer.Option("--reward", help="Reward (reward.name).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="Model path or hub id (model.path).")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(
+    help="Dotted overrides, e.g. actor.optim.lr=1e-6 data.train_batch_size=64", show_default=False)]
+
+DEFAULT_PRESET = "tiny"
+
+
+def _resolve(config: str | None, preset: str | None, backend: str | None, rollout: str | None,
+             algorithm: str | None, reward: str | None, model: str | None, overrides: list[str] | None,
+             check_files: bool = True) -> Any:
+    from rlx.validate import load_config
+
+    overrides = list(overrides or [])
+    # With no model, config file, data or preset, run the built-in job.
+    if preset is None and config is None and model is None and not any(
+            o.split("=", 1)[0].strip() in ("model.path", "data.train_files") for o in overrides):
+        preset = DEFAULT_PRESET
+        typer.echo(f"No model, config or data given: using the built-in preset {preset!r}.", err=True)
+    shortcuts = {"backend": backend, "rollout": rollout, "algorithm": algorithm, "reward": reward, "model": model}
+    return load_config(_pm(), preset=preset, config_file=config, shortcuts=shortcuts, overrides=overrides,
+                       check_files=check_files)
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
+                rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
+                model: ModelOpt = None, overrides: OverridesArg = None) -> None:
+    """Print the resolved config (defaults, preset, file, flags and overrides merged) as YAML."""
+    import yaml
+
+    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, check_files=False)
+    typer.echo(yaml.safe_dump(resolved.as_dict(), sort_keys=False))
+
+
+@config_app.command("validate")
+def config_validate(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
+                    rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
+                    model: ModelOpt = None, overrides: OverridesArg = None) -> None:
+    """Check a config (and that its data files exist) without training."""
+    _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides)
+    typer.echo("Config is valid.")
+
+
+# -- train --------------------------------------------------------------------------------------
+@app.command("train")
+def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
+          rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
+          model: ModelOpt = None,
+          resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint "
+                                               "(fail if there is none).")] = False,
+          overrides: OverridesArg = None) -> None:
+    """Train. With no arguments, runs the small built-in GRPO job on the CPU."""
+    overrides = list(overrides or [])
+    if resume:
+        overrides.append("trainer.resume=must")
+    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides)
+    _quiet_libraries()
+    from rlx.trainer import Trainer
+
+    trainer = Trainer(resolved, _pm())
+    trainer.fit()
+    typer.echo(f"Run folder: {trainer.run_dir}")
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run() -> None:
+    """Console-script entry point: user errors end in one paragraph and exit status 2."""
+    try:
+        _pm().add_cli_commands(app)
+    except UserError as exc:
+        _fail(exc)
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(EXIT_USER_ERROR)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+def _fail(exc: UserError) -> None:
+    typer.echo(f"Error: {exc.message}", err=True)
+    if exc.hint:
+        typer.echo(exc.hint, err=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    run()

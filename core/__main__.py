@@ -1,0 +1,3 @@
+from rlx.cli.main import run
+
+run()

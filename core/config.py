@@ -1,0 +1,341 @@
+"""The run configuration: pydantic v2 models, layered sources, and error reports a user can act on.
+
+Sources, later wins: defaults < preset < YAML file (``--config``) < shortcut flags (``--backend``,
+``--rollout``, ``--algorithm``, ``--reward``, ``--model``) < dotted overrides (``actor.optim.lr=1e-6``).
+
+The sections ``backend``, ``rollout``, ``algorithm``, ``reward`` and ``launcher`` name a plugin
+(``name``); their other keys are that plugin's options and are validated by its config model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlx.errors import ConfigError, did_you_mean
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("", description="Hugging Face hub id or local folder of the policy model.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer location; defaults to `path`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Parameter dtype for training (master weights stay float32 on CPU).")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list, description="Parquet files of training prompts.")
+    val_files: list[str] = Field(default_factory=list, description="Parquet files of validation prompts.")
+    prompt_key: str = Field("prompt", description="Column holding the chat messages of each prompt.")
+    max_prompt_length: int = Field(512, gt=0, description="Prompts longer than this (in tokens) are dropped.")
+    max_response_length: int = Field(512, gt=0, description="Most tokens generated per response.")
+    train_batch_size: int = Field(32, gt=0, description="Prompts per training step.")
+    val_batch_size: int = Field(64, gt=0, description="Prompts per validation generate call.")
+    shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
+    filter_overlong_prompts: bool = Field(
+        True, description="Drop (and count) prompts over max_prompt_length; if false they are an error.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="After warm-up.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (cosine/linear).")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+
+
+class ActorConfig(_Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = Field(
+        16, gt=0, description="Prompts per optimizer step (times rollout.n sequences).")
+    micro_batch_size_per_device: int = Field(
+        4, gt=0, description="Sequences per forward/backward pass; gradients accumulate over them.")
+    log_prob_micro_batch_size_per_device: int = Field(
+        16, gt=0, description="Sequences per forward pass when computing log-probs (no gradients).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each step's rollouts.")
+    shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
+
+
+class ComponentSection(BaseModel):
+    """A section that names a plugin. Keys other than ``name`` are the plugin's own options."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class BackendConfig(ComponentSection):
+    name: str = Field("torch", description="Training backend plugin.")
+
+
+class LauncherConfig(ComponentSection):
+    name: str = Field("local", description="Launcher plugin that places the workers.")
+
+
+class RolloutConfig(ComponentSection):
+    name: str = Field("hf", description="Rollout engine plugin.")
+    n: int = Field(1, gt=0, description="Responses sampled per prompt.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
+    val_temperature: float = Field(0.0, ge=0, description="Temperature for validation (0 = greedy).")
+    val_n: int = Field(1, gt=0, description="Responses per prompt during validation.")
+
+
+class AlgorithmConfig(ComponentSection):
+    name: str = Field("grpo", description="Algorithm plugin (advantages and losses).")
+
+
+class RewardConfig(ComponentSection):
+    name: str = Field("gsm8k", description="Reward plugin.")
+
+
+class TrainerConfig(_Section):
+    total_epochs: int = Field(1, gt=0, description="Passes over the training data.")
+    total_steps: int | None = Field(None, gt=0, description="Stop after this many steps (overrides epochs).")
+    save_freq: int = Field(-1, description="Save a checkpoint every N steps (-1: only at the end, 0: never).")
+    test_freq: int = Field(-1, description="Validate every N steps (-1: never).")
+    val_before_train: bool = Field(False, description="Validate once before the first step.")
+    output_dir: str = Field("outputs/{project}/{experiment}", description="Run folder ({project}, "
+                            "{experiment} are filled in).")
+    project: str = Field("rlx", description="Project name (loggers).")
+    experiment: str = Field("run", description="Experiment name (loggers).")
+    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
+    resume: Literal["auto", "never", "must"] = Field(
+        "auto", description="auto: continue from the last complete checkpoint in output_dir if any.")
+    max_checkpoints_to_keep: int | None = Field(None, gt=0, description="Delete older checkpoints.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the single-process run goes.")
+    loggers: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="Logger plugins.")
+    log_samples: int = Field(2, ge=0, description="Sample rows given to loggers each step.")
+    save_hf_model: bool = Field(True, description="Also write the final model in Hugging Face format.")
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
+class RLXConfig(_Section):
+    """The whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    loggers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-logger options, e.g. loggers.swanlab.mode=offline.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RLXConfig:
+        problems = []
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            problems.append(
+                f"actor.ppo_mini_batch_size: {self.actor.ppo_mini_batch_size} must divide "
+                f"data.train_batch_size ({self.data.train_batch_size}).")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def run_dir(self) -> Path:
+        t = self.trainer
+        return Path(os.path.expanduser(t.output_dir.format(project=t.project, experiment=t.experiment)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+SHORTCUTS = {
+    "backend": "backend.name",
+    "rollout": "rollout.name",
+    "algorithm": "algorithm.name",
+    "reward": "reward.name",
+    "model": "model.path",
+}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` -> (``"a.b"``, parsed value). Values are read as YAML (numbers, lists, true)."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6"])
+    key, _, raw = text.partition("=")
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError([f"override {text!r}: the key before '=' is empty"])
+    return key, parse_value(raw)
+
+
+def parse_value(raw: str) -> Any:
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_file():
+        raise ConfigError([f"--config {path}: no such file"])
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"--config {path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: the top level must be a mapping of sections, "
+                           f"got {type(data).__name__}"])
+    return data
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = preset_names()
+        raise ConfigError([f"--preset {name}: no such preset.{did_you_mean(name, names)} "
+                           f"Presets: {', '.join(names)}"])
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def build_raw(
+    *,
+    preset: str | None = None,
+    config_file: str | None = None,
+    shortcuts: dict[str, str | None] | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Merge every source into one plain dict (not yet validated)."""
+    raw: dict[str, Any] = {}
+    if preset:
+        raw = deep_merge(raw, load_preset(preset))
+    if config_file:
+        raw = deep_merge(raw, load_yaml(config_file))
+    for flag, value in (shortcuts or {}).items():
+        if value is not None:
+            set_dotted(raw, SHORTCUTS[flag], value)
+    problems: list[str] = []
+    for text in overrides or []:
+        try:
+            key, value = parse_override(text)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        set_dotted(raw, key, value)
+    if problems:
+        raise ConfigError(problems)
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the (sub)model at ``loc``, for did-you-mean suggestions."""
+    current: Any = model
+    for part in loc:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return []
+        current = field.annotation
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc)) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            names = _fields_at(model, loc[:-1])
+            problems.append(f"{path}: unknown key.{did_you_mean(str(loc[-1]), names)} "
+                            f"Valid keys here: {', '.join(names)}")
+            continue
+        msg = err["msg"]
+        if kind == "literal_error":
+            msg = "must be one of " + err.get("ctx", {}).get("expected", "")
+        elif kind == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            if not loc:  # cross-field check: the message carries its own path
+                problems.extend(m.strip() for m in msg.split("; "))
+                continue
+        if "input" in err and kind not in ("missing",):
+            msg += f" (got {_short(err['input'])})"
+        problems.append(f"{path}: {msg}")
+    return problems
+
+
+def validate(raw: dict[str, Any]) -> RLXConfig:
+    """Validate the core sections. Raises :class:`ConfigError` listing every problem."""
+    try:
+        return RLXConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, RLXConfig)) from None
+
+
+def to_dict(cfg: RLXConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json")

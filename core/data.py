@@ -1,0 +1,211 @@
+"""Prompt data: parquet rows in verl's shape, checked before use, tokenized with the chat template.
+
+A row holds ``prompt`` (a list of ``{"role", "content"}`` chat messages), ``data_source`` (str),
+``reward_model`` (``{"style": ..., "ground_truth": ...}``) and optional ``extra_info`` (dict).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlx import builtin
+from rlx.errors import UserError
+
+MAX_REPORTED = 20
+
+
+def resolve_path(ref: str) -> str:
+    return builtin.resolve(ref) if builtin.is_builtin(ref) else os.path.expanduser(ref)
+
+
+def check_files(refs: list[str], key: str) -> list[str]:
+    """Config problems for data files that do not exist or are not parquet."""
+    problems = []
+    for ref in refs:
+        if builtin.is_builtin(ref):
+            continue
+        p = Path(os.path.expanduser(ref))
+        if not p.is_file():
+            problems.append(f"{key}: file {ref!r} does not exist. "
+                            f"Write one with `rlx data prepare gsm8k --out DIR` or fix the path.")
+        elif p.suffix != ".parquet":
+            problems.append(f"{key}: {ref!r} is not a .parquet file")
+    return problems
+
+
+def read_rows(refs: list[str]) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    for ref in refs:
+        path = resolve_path(ref)
+        try:
+            rows.extend(pq.read_table(path).to_pylist())
+        except Exception as exc:
+            raise UserError(f"Cannot read {ref} as parquet: {exc}",
+                            "Check that the file is a parquet file written by `rlx data prepare`.") from None
+    return rows
+
+
+def row_problems(row: Any, prompt_key: str = "prompt") -> list[str]:
+    """Why a row cannot be used; empty if it is fine."""
+    if not isinstance(row, dict):
+        return [f"row is a {type(row).__name__}, not a mapping"]
+    problems = []
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        problems.append(f"missing {prompt_key!r}")
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            problems.append(f"{prompt_key!r} is empty")
+    elif not isinstance(prompt, list) or not prompt:
+        problems.append(f"{prompt_key!r} must be a non-empty list of chat messages")
+    else:
+        for j, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+                    m.get("content"), str):
+                problems.append(f"{prompt_key}[{j}] must be {{'role': str, 'content': str}}")
+                break
+    if not isinstance(row.get("data_source"), str) or not row.get("data_source"):
+        problems.append("missing 'data_source' (a string naming the data set)")
+    rm = row.get("reward_model")
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        problems.append("missing 'reward_model.ground_truth'")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        problems.append("'extra_info' must be a mapping")
+    return problems
+
+
+def validate_rows(rows: list[Any], source: str, prompt_key: str = "prompt") -> None:
+    """Raise a :class:`UserError` reporting every bad row (the first few by index and reason)."""
+    bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
+    if not rows:
+        raise UserError(f"{source} has no rows.")
+    if bad:
+        lines = [f"  row {i}: {'; '.join(p)}" for i, p in bad[:MAX_REPORTED]]
+        more = f"\n  ... and {len(bad) - MAX_REPORTED} more" if len(bad) > MAX_REPORTED else ""
+        raise UserError(
+            f"{source}: {len(bad)} of {len(rows)} rows are not usable:\n" + "\n".join(lines) + more,
+            "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
+            "`rlx data prepare` writes files in this shape.",
+        )
+
+
+@dataclass
+class PromptExample:
+    input_ids: list[int]
+    text: str
+    data_source: str
+    ground_truth: Any
+    extra_info: dict[str, Any]
+
+
+@dataclass
+class PromptDataset:
+    examples: list[PromptExample]
+    dropped_overlong: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt_length: int,
+                 filter_overlong: bool, source_key: str) -> PromptDataset:
+    """Read, validate, apply the chat template, tokenize, and drop (and count) over-long prompts."""
+    rows = read_rows(refs)
+    validate_rows(rows, f"{source_key} ({', '.join(refs)})", prompt_key)
+    examples, dropped, longest = [], [], 0
+    for i, row in enumerate(rows):
+        prompt = row[prompt_key]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        longest = max(longest, len(ids))
+        if len(ids) > max_prompt_length:
+            dropped.append(i)
+            continue
+        examples.append(PromptExample(ids, text, row["data_source"], row["reward_model"]["ground_truth"],
+                                      dict(row.get("extra_info") or {})))
+    if dropped and not filter_overlong:
+        raise UserError(f"{source_key}: {len(dropped)} prompts are longer than data.max_prompt_length="
+                        f"{max_prompt_length} tokens (rows {dropped[:10]}...; longest {longest}).",
+                        "Raise data.max_prompt_length or set data.filter_overlong_prompts=true.")
+    if not examples:
+        raise UserError(f"{source_key}: every prompt is longer than data.max_prompt_length="
+                        f"{max_prompt_length} tokens (longest {longest}).",
+                        "Raise data.max_prompt_length.")
+    return PromptDataset(examples, len(dropped), {"longest_prompt": float(longest)})
+
+
+class PromptLoader:
+    """Batches of prompts, epoch after epoch, with a position that checkpoints save and restore.
+
+    The order of epoch ``e`` is a permutation seeded by ``seed + e``, so resuming at (epoch, index)
+    replays exactly the batches a run without interruption would have seen.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool, seed: int,
+                 drop_last: bool = True) -> None:
+        if len(dataset) < batch_size and drop_last:
+            raise UserError(f"The training set has {len(dataset)} usable prompts, fewer than "
+                            f"data.train_batch_size={batch_size}.",
+                            "Lower data.train_batch_size or add data.")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.index = 0  # batches already taken in this epoch
+
+    def batches_per_epoch(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[PromptExample]]:
+        while True:
+            if self.index >= self.batches_per_epoch():
+                return
+            order = self._order(self.epoch)
+            start = self.index * self.batch_size
+            self.index += 1
+            yield [self.dataset.examples[i] for i in order[start:start + self.batch_size]]
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def collate(examples: list[PromptExample], pad_token_id: int) -> Any:
+    """A :class:`Batch` of left-padded prompts with their per-row reward inputs."""
+    import torch
+
+    from rlx.batch import Batch
+
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, width - len(e.input_ids):] = torch.tensor(e.input_ids)
+        mask[i, width - len(e.input_ids):] = 1
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask},
+        {"prompt_text": [e.text for e in examples], "data_source": [e.data_source for e in examples],
+         "ground_truth": [e.ground_truth for e in examples], "extra_info": [e.extra_info for e in examples]},
+    )

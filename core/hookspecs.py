@@ -1,0 +1,134 @@
+"""The contract between rlx and its plugins: every hook a plugin may implement.
+
+Registration hooks (``rlx_*s``) are collecting hooks: every plugin may answer, and each answer is
+an iterable of :class:`rlx.Component` records. Lifecycle hooks (``rlx_on_*``) are notifications:
+their return values are ignored, they observe the run and never steer it.
+
+A plugin is a module (or object) with functions decorated by :data:`hookimpl`, registered through
+the ``rlx`` entry-point group::
+
+    [project.entry-points.rlx]
+    my_reward = "my_package.plugin"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import typer
+
+    from rlx.components import Component
+
+PROJECT = "rlx"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def rlx_train_backends() -> Iterable[Component]:
+    """Return the training backends this plugin provides (``kind="backend"``).
+
+    Called once when the plugin manager is built. A backend's factory returns an object satisfying
+    :class:`rlx.protocols.TrainBackend`.
+
+    Example::
+
+        @hookimpl
+        def rlx_train_backends():
+            return [Component(kind="backend", name="fsdp2", factory="pkg.fsdp2:build")]
+    """
+
+
+@hookspec
+def rlx_rollout_engines() -> Iterable[Component]:
+    """Return the rollout (generation) engines this plugin provides (``kind="rollout"``).
+
+    A rollout factory returns an object satisfying :class:`rlx.protocols.RolloutEngine`.
+    """
+
+
+@hookspec
+def rlx_algorithms() -> Iterable[Component]:
+    """Return the RL algorithms this plugin provides (``kind="algorithm"``).
+
+    An algorithm factory returns an object satisfying :class:`rlx.protocols.Algorithm`.
+    """
+
+
+@hookspec
+def rlx_advantage_estimators() -> Iterable[Component]:
+    """Return advantage estimators (``kind="advantage"``) that algorithms can select by name.
+
+    The factory is the estimator function itself, called with the batch's tensors; see
+    :mod:`rlx.plugins.algorithms` for its signature.
+    """
+
+
+@hookspec
+def rlx_rewards() -> Iterable[Component]:
+    """Return the rewards this plugin provides (``kind="reward"``).
+
+    A reward factory returns a callable ``fn(batch: RewardBatch) -> list[float] | RewardOutput``.
+    """
+
+
+@hookspec
+def rlx_loggers() -> Iterable[Component]:
+    """Return the metric loggers this plugin provides (``kind="logger"``).
+
+    A logger factory returns an object satisfying :class:`rlx.protocols.Logger`.
+    """
+
+
+@hookspec
+def rlx_launchers() -> Iterable[Component]:
+    """Return the launchers this plugin provides (``kind="launcher"``).
+
+    A launcher places workers (in-process, one process per device, or on a Ray cluster) and
+    returns worker groups; see :class:`rlx.protocols.Launcher`.
+    """
+
+
+@hookspec
+def rlx_cli_commands(app: typer.Typer) -> None:
+    """Add commands to the ``rlx`` command-line app.
+
+    Called once when the CLI starts, with the root :class:`typer.Typer` app. Keep the command
+    modules light: import heavy libraries inside the command functions.
+    """
+
+
+@hookspec
+def rlx_on_train_start(config: Mapping[str, Any], output_dir: str) -> None:
+    """Called once before the first training step, with the resolved config as a plain dict."""
+
+
+@hookspec
+def rlx_on_step_end(step: int, metrics: Mapping[str, float]) -> None:
+    """Called after every training step with that step's metrics (the same ones the loggers get)."""
+
+
+@hookspec
+def rlx_on_checkpoint(step: int, path: str) -> None:
+    """Called after a checkpoint has been completely and atomically written to ``path``."""
+
+
+@hookspec
+def rlx_on_train_end(step: int, metrics: Mapping[str, float]) -> None:
+    """Called once when training finishes normally, with the last step's metrics."""
+
+
+# Registration hook name -> the component kind its records must have.
+REGISTRATION_HOOKS: dict[str, str] = {
+    "rlx_train_backends": "backend",
+    "rlx_rollout_engines": "rollout",
+    "rlx_algorithms": "algorithm",
+    "rlx_advantage_estimators": "advantage",
+    "rlx_rewards": "reward",
+    "rlx_loggers": "logger",
+    "rlx_launchers": "launcher",
+}

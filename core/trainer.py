@@ -1,0 +1,307 @@
+"""The controller: one process holds the batch and drives every role through worker groups.
+
+One step::
+
+    prompts -> rollout.generate (n per prompt) -> reward -> actor old log-probs -> ref log-probs
+      -> advantages (driver) -> actor update (ppo_epochs x mini-batches x micro-batches)
+      -> push actor weights to the rollout engine -> metrics -> loggers; validate / save on schedule
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rlx import checkpoint
+from rlx.batch import Batch
+from rlx.context import BuildContext
+from rlx.data import PromptLoader, collate, load_prompts, resolve_path
+from rlx.errors import UserError
+from rlx.protocols import RoleSpec, RunInfo, SamplingParams
+from rlx.registry import PluginManager
+from rlx.validate import Resolved
+from rlx.workers import RewardWorker
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise UserError(f"Cannot load a tokenizer from {path!r}: {exc}",
+                        "Give a local model folder or a hub id that is available offline "
+                        "(model.path or model.tokenizer_path).") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise UserError(f"The tokenizer at {path!r} has no chat template.",
+                        "Use an instruct/chat model, or a tokenizer_path whose tokenizer has one.")
+    return tok
+
+
+class Trainer:
+    def __init__(self, resolved: Resolved, pm: PluginManager) -> None:
+        self.resolved, self.cfg, self.pm = resolved, resolved.config, pm
+        cfg = self.cfg
+        self.run_dir = cfg.run_dir()
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.resume_from = self._find_resume()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+
+        self.model_path = resolve_path(cfg.model.path)
+        self.tokenizer = load_tokenizer(resolve_path(cfg.model.tokenizer_path or cfg.model.path),
+                                        cfg.model.trust_remote_code)
+        d = cfg.data
+        self.train_set = load_prompts(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
+                                      max_prompt_length=d.max_prompt_length,
+                                      filter_overlong=d.filter_overlong_prompts, source_key="data.train_files")
+        self.val_set = load_prompts(d.val_files, self.tokenizer, prompt_key=d.prompt_key,
+                                    max_prompt_length=d.max_prompt_length,
+                                    filter_overlong=d.filter_overlong_prompts,
+                                    source_key="data.val_files") if d.val_files else None
+        self.loader = PromptLoader(self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=cfg.trainer.seed)
+        per_epoch = self.loader.batches_per_epoch()
+        self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * per_epoch
+        self.sampling = SamplingParams(
+            n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, max_tokens=d.max_response_length, greedy=cfg.rollout.temperature == 0)
+
+        run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
+                      resolved.as_dict(), resumed=self.resume_from is not None)
+        self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
+        self._build_roles()
+        self.loggers = [self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers]
+        self.step = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        mode = self.cfg.trainer.resume
+        last = checkpoint.latest(self.ckpt_root)
+        if mode == "must" and last is None:
+            raise UserError(f"--resume was asked for, but {self.ckpt_root} holds no complete checkpoint.",
+                            "Check trainer.output_dir (and trainer.project/experiment).")
+        if mode == "never" and last is not None:
+            raise UserError(f"{self.run_dir} already holds checkpoints (latest {last.name}); a new run would "
+                            "overwrite them.",
+                            "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
+        return last
+
+    def _build(self, kind: str, name: str, options_key: str) -> Any:
+        factory = self.pm.get(kind, name).load_factory()
+        return factory(self.resolved.options.get(options_key), self.ctx)
+
+    def _role_spec(self, role: str, trainable: bool) -> RoleSpec:
+        cfg, o = self.cfg, self.cfg.actor.optim
+        minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        return RoleSpec(
+            role=role, model_path=self.model_path, trainable=trainable, dtype=cfg.model.dtype, lr=o.lr,
+            weight_decay=o.weight_decay, betas=o.betas, warmup_steps=o.warmup_steps,
+            total_steps=self.total_steps * cfg.actor.ppo_epochs * minibatches, lr_schedule=o.lr_schedule,
+            grad_clip=o.grad_clip, micro_batch_size=cfg.actor.micro_batch_size_per_device,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.trainer.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+            extra={"min_lr_ratio": o.min_lr_ratio,
+                   "log_prob_micro_batch_size": cfg.actor.log_prob_micro_batch_size_per_device},
+        )
+
+    def _build_roles(self) -> None:
+        cfg = self.cfg
+        self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
+        self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")
+        backend = self._build("backend", cfg.backend.name, "backend")
+        self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)), 1)
+        self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)), 1)
+                    if self.algorithm.needs_ref else None)
+        rollout = self._build("rollout", cfg.rollout.name, "rollout")
+        self.rollout = self.launcher.create_group("rollout", lambda rank, world: rollout, 1)
+        reward_fn = self._build("reward", cfg.reward.name, "reward")
+        self.reward = self.launcher.create_group(
+            "reward", lambda rank, world: RewardWorker(reward_fn, self.tokenizer, cfg.reward.name), 1)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+        self.launcher.transfer_weights(self.actor, self.rollout)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved.as_dict(), sort_keys=False))
+        self.pm.hook.rlx_on_train_start(config=self.resolved.as_dict(), output_dir=str(self.run_dir))
+        if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
+            self._log(self.validate(), self.step)
+        metrics: dict[str, float] = {}
+        try:
+            while self.step < self.total_steps:
+                for examples in self.loader:
+                    self.step += 1
+                    metrics = self.train_step(examples)
+                    t = cfg.trainer
+                    if self.val_set is not None and t.test_freq > 0 and (
+                            self.step % t.test_freq == 0 or self.step == self.total_steps):
+                        metrics.update(self.validate())
+                    self._log(metrics, self.step)
+                    self.pm.hook.rlx_on_step_end(step=self.step, metrics=metrics)
+                    if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
+                        self.save()
+                    if self.step >= self.total_steps:
+                        break
+                else:
+                    self.loader.next_epoch()
+            if cfg.trainer.save_freq != 0 and (checkpoint.latest(self.ckpt_root) is None or
+                                               checkpoint.latest(self.ckpt_root).name != f"global_step_{self.step}"):
+                self.save()
+            if cfg.trainer.save_hf_model:
+                self.save_hf(self.run_dir / "hf_model")
+            self.pm.hook.rlx_on_train_end(step=self.step, metrics=metrics)
+        finally:
+            for lg in self.loggers:
+                lg.finish()
+            self.launcher.shutdown()
+        return metrics
+
+    def train_step(self, examples: list[Any]) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        step_start = time.perf_counter()
+        prompts = collate(examples, self.tokenizer.pad_token_id)
+        with timer("gen"):
+            batch: Batch = self.rollout.call("generate", prompts, self.sampling)
+        n = self.sampling.n
+        batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
+        with timer("reward"):
+            batch.update(self.reward.call("score", batch))
+        with timer("old_log_prob"):
+            batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
+        if self.ref is not None:
+            with timer("ref"):
+                batch.tensors["ref_log_probs"] = self.ref.call("compute_log_probs", batch)["log_probs"]
+        with timer("adv"):
+            self.algorithm.compute_advantages(batch)
+        loss_fn = self.algorithm.policy_loss_fn()
+        mini_size = cfg.actor.ppo_mini_batch_size * n
+        update: dict[str, list[float]] = {}
+        with timer("update_actor"):
+            gen = torch.Generator().manual_seed(cfg.trainer.seed + self.step)
+            for _ in range(cfg.actor.ppo_epochs):
+                order = torch.randperm(len(batch), generator=gen) if cfg.actor.shuffle else None
+                data = batch.index(order) if order is not None else batch
+                for mini in data.split(mini_size):
+                    for k, v in self.actor.call("train_step", mini, loss_fn).items():
+                        update.setdefault(k, []).append(v)
+        with timer("update_weights"):
+            self.launcher.transfer_weights(self.actor, self.rollout)
+        metrics = self._step_metrics(batch, timer, time.perf_counter() - step_start)
+        metrics.update({(k if "/" in k else f"actor/{k}"): sum(v) / len(v) for k, v in update.items()})
+        metrics.update(self.algorithm.metrics(batch))
+        self._log_samples(batch)
+        return metrics
+
+    def _step_metrics(self, batch: Batch, timer: Timer, seconds: float) -> dict[str, float]:
+        scores = batch["scores"]
+        resp_len = batch["response_mask"].sum(-1).float()
+        prompt_len = batch["prompt_mask"].sum(-1).float()
+        tokens = float(resp_len.sum() + prompt_len.sum())
+        m: dict[str, float] = {
+            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+            "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+            "response_length/min": float(resp_len.min()),
+            "response_length/clip_ratio": float((resp_len >= self.sampling.max_tokens).float().mean()),
+            "prompt_length/mean": float(prompt_len.mean()),
+            "timing/step": seconds, "perf/total_tokens": tokens,
+            "perf/tokens_per_second": tokens / max(seconds, 1e-9),
+            "progress/epoch": float(self.loader.epoch), "progress/total_steps": float(self.total_steps),
+        }
+        for key in batch.tensors:
+            if key.startswith("reward_extra/"):
+                m[f"reward/{key.split('/', 1)[1]}"] = float(batch[key].mean())
+        if "rollout_log_probs" in batch:
+            mask = batch["response_mask"].bool()
+            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+            m["rollout/log_prob_diff"] = float(diff.mean()) if diff.numel() else 0.0
+        m.update(timer.times)
+        return m
+
+    def _log_samples(self, batch: Batch) -> None:
+        k = self.cfg.trainer.log_samples
+        if not k:
+            return
+        rows = [{"prompt": batch["prompt_text"][i], "response": batch["response_text"][i],
+                 "ground_truth": batch["ground_truth"][i], "reward": float(batch["scores"][i])}
+                for i in range(min(k, len(batch)))]
+        for lg in self.loggers:
+            lg.log_samples(rows, self.step)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for lg in self.loggers:
+            lg.log(metrics, step)
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        assert self.val_set is not None
+        cfg = self.cfg
+        params = SamplingParams(n=cfg.rollout.val_n, temperature=cfg.rollout.val_temperature,
+                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                max_tokens=cfg.data.max_response_length,
+                                greedy=cfg.rollout.val_temperature == 0)
+        by_source: dict[str, list[float]] = {}
+        examples = self.val_set.examples
+        for i in range(0, len(examples), cfg.data.val_batch_size):
+            prompts = collate(examples[i:i + cfg.data.val_batch_size], self.tokenizer.pad_token_id)
+            out = self.rollout.call("generate", prompts, params)
+            scored = self.reward.call("score", out)
+            for src, s in zip(out["data_source"], scored["scores"].tolist()):
+                by_source.setdefault(src, []).append(s)
+        allv = [s for v in by_source.values() for s in v]
+        m = {"val/reward/mean": sum(allv) / len(allv)}
+        for src, v in by_source.items():
+            m[f"val/{src}/reward/mean"] = sum(v) / len(v)
+        return m
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self) -> Path:
+        def write(tmp: Path) -> None:
+            self.actor.call_all("save_checkpoint", str(tmp / "actor"))
+
+        state = {"loader": self.loader.state_dict()}
+        path = checkpoint.save(self.ckpt_root, self.step, write, state, keep=self.cfg.trainer.max_checkpoints_to_keep)
+        self.pm.hook.rlx_on_checkpoint(step=self.step, path=str(path))
+        return path
+
+    def _load(self, path: Path) -> None:
+        state = checkpoint.read_state(path)
+        self.actor.call_all("load_checkpoint", str(path / "actor"))
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        print(f"Resuming from {path} (step {self.step}).")
+
+    def save_hf(self, target: Path) -> None:
+        """Write the final policy in Hugging Face format, atomically (temp folder, then rename)."""
+        tmp = target.with_name(f".tmp-{target.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.actor.call_all("save_pretrained", str(tmp), self.tokenizer)
+        old = target.with_name(f".old-{target.name}")
+        if target.exists():
+            target.replace(old)
+        tmp.replace(target)
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,746 @@
+"""Pure-tensor math of PPO / GRPO-family algorithms.
+
+Everything here is a stateless function of tensors (plus two tiny KL-coefficient controllers),
+so it can be unit-tested on hand-sized inputs and shared by every algorithm plugin.
+
+Conventions
+-----------
+* ``B`` sequences, ``T`` response tokens, right-padded.
+* ``response_mask`` is ``(B, T)``, bool or float; a non-zero entry marks a real token.
+* ``index`` is ``(B,)`` int64: a group id; samples of the same prompt share an id.
+* ``scores`` are ``(B,)`` per-sequence rewards; ``token_level_rewards`` are ``(B, T)`` and carry the
+  sequence reward at the last valid token (plus per-token KL penalties, if any).
+
+Padding never leaks: masking is done with ``torch.where`` rather than multiplication, so even
+``inf``/``nan`` garbage at padded positions cannot reach a loss, an advantage, a statistic or a
+gradient. Every advantage/return tensor is exactly zero at padding.
+
+This module imports torch at top level; it is only imported lazily by the algorithm plugins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae_advantages",
+    "group_all_equal",
+    "grpo_advantages",
+    "grpo_no_std_advantages",
+    "gspo_policy_loss",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+    "ppo_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "scores_to_token_rewards",
+    "value_loss",
+]
+
+Number = int | float
+
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+
+# Log-ratios are clamped to this range before ``exp``: exp(20) ~ 4.9e8 stays finite in float32.
+_LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Masked reductions
+# --------------------------------------------------------------------------------------------------
+
+
+def _bool_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a bool tensor broadcast to ``x``'s shape."""
+    m = mask if mask.dtype == torch.bool else mask != 0
+    return m.to(x.device).expand_as(x) if m.shape != x.shape else m.to(x.device)
+
+
+def _zero_like_scalar(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) over ``dim`` (all elements if ``None``); padded entries contribute exactly 0.
+
+    Shapes: ``x`` (…), ``mask`` broadcastable to ``x``; result is a scalar or ``x`` reduced over ``dim``.
+    """
+    m = _bool_mask(x, mask)
+    xm = torch.where(m, x, _zero_like_scalar(x))
+    return xm.sum() if dim is None else xm.sum(dim=dim)
+
+
+def _count_dtype(x: torch.Tensor) -> torch.dtype:
+    """Counts and denominators are kept in float32 (float64 for float64 input): half precision
+    cannot represent token counts above 256 exactly."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _mask_count(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    m = _bool_mask(x, mask).to(_count_dtype(x))
+    return m.sum() if dim is None else m.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask) over ``dim``; an empty mask gives 0 (never NaN)."""
+    total = masked_sum(x, mask, dim)
+    count = _mask_count(x, mask, dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the valid entries of ``x`` (scalar), over all elements.
+
+    var = sum(mask * (x - mean)^2) / n, times n / (n - 1) if ``unbiased``; n = sum(mask).
+    Fewer than two valid entries give 0 (never NaN).
+    """
+    mean = masked_mean(x, mask)
+    centered_sq = (x - mean) ** 2
+    n = _mask_count(x, mask)
+    var = masked_sum(centered_sq, mask) / n.clamp(min=1.0)
+    if unbiased:
+        # n / (n - 1); for n <= 1 the variance is already 0, so any finite factor will do.
+        var = var * n / (n - 1.0).clamp(min=1.0)
+    return var
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Whiten the valid entries of ``x`` with their masked mean and (unbiased) variance.
+
+    out = (x - mean) / sqrt(var + eps); if not ``shift_mean`` the mean is added back:
+    out = (x - mean) / sqrt(var + eps) + mean. Padded entries of the result are 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(_bool_mask(x, mask), out, _zero_like_scalar(out))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss aggregation
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_denominator(value: Number | torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device, dtype=_count_dtype(like))
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return torch.tensor(float(value), dtype=_count_dtype(like), device=like.device)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss matrix ``loss_mat`` (B, T) to a scalar.
+
+    Modes (l = loss_mat, m = mask):
+      * ``"token-mean"``:              sum_{i,t} l*m / N_tokens
+      * ``"seq-mean-token-sum"``:      sum_i (sum_t l*m) / N_seqs
+      * ``"seq-mean-token-mean"``:     sum_i (sum_t l*m / sum_t m) / N_seqs
+      * ``"seq-mean-token-sum-norm"``: sum_i (sum_t l*m / max_len) / N_seqs   (Dr. GRPO)
+
+    ``N_tokens`` defaults to sum(m); ``N_seqs`` to the number of sequences with at least one valid
+    token; ``max_len`` to T. For gradient accumulation pass the *mini-batch* totals
+    (``num_tokens``, ``num_seqs``, and the mini-batch ``max_len``) to every micro-batch call: the sum
+    of the micro-batch losses then equals the full mini-batch loss exactly.
+    An empty mask gives 0.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
+    if loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must be (B, T), got shape {tuple(loss_mat.shape)}")
+
+    if mode == "token-mean":
+        total = masked_sum(loss_mat, mask)  # ()
+        if num_tokens is None:
+            denom = _mask_count(loss_mat, mask).clamp(min=1.0)
+        else:
+            denom = _as_denominator(num_tokens, total, "num_tokens")
+        return total / denom
+
+    seq_sum = masked_sum(loss_mat, mask, dim=-1)  # (B,)
+    tokens_per_seq = _mask_count(loss_mat, mask, dim=-1)  # (B,)
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    elif mode == "seq-mean-token-mean":
+        per_seq = seq_sum / tokens_per_seq.clamp(min=1.0)
+    else:  # seq-mean-token-sum-norm
+        length = loss_mat.shape[-1] if max_len is None else max_len
+        if length <= 0:
+            raise ValueError(f"max_len must be positive, got {length}")
+        per_seq = seq_sum / float(length)
+
+    if num_seqs is None:
+        denom = (tokens_per_seq > 0).to(tokens_per_seq.dtype).sum().clamp(min=1.0)
+    else:
+        denom = _as_denominator(num_seqs, per_seq, "num_seqs")
+    return per_seq.sum() / denom
+
+
+# --------------------------------------------------------------------------------------------------
+# KL, entropy, log-probs
+# --------------------------------------------------------------------------------------------------
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; shapes (B, T) -> (B, T).
+
+    With d = logp - logp_ref:
+      * ``"k1"``:                 d
+      * ``"abs"``:                |d|
+      * ``"k2"``:                 0.5 * d^2
+      * ``"k3"`` / ``"low_var_kl"``: exp(-d) - (-d) - 1, clamped to [-10, 10]
+
+    The result is not masked (callers mask it); for k3 the log-ratio is clamped to [-20, 20] before
+    ``exp``, which does not change any output value (both ends already saturate the [-10, 10] clamp)
+    but keeps it finite for arbitrary padding garbage.
+    """
+    diff = log_probs - ref_log_probs  # (B, T)
+    if estimator == "k1":
+        return diff
+    if estimator == "abs":
+        return diff.abs()
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator in ("k3", "low_var_kl"):
+        log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # logp_ref - logp
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        return kl.clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_ESTIMATORS)}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, computed in float32.
+
+    H = logsumexp(z) - sum(softmax(z) * z).  Shape (…, V) -> (…).
+    """
+    z = logits.float()
+    probs = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per position, computed stably in float32.
+
+    logp_t = z_t[label_t] - logsumexp(z_t).  ``logits`` (B, T, V), ``labels`` (B, T) int64 -> (B, T).
+    Positions with a negative label (e.g. an ignore index of -100) get 0. Half-precision logits are
+    processed one row at a time so the float32 copy never spans the whole batch.
+    """
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)}")
+    valid = labels >= 0
+    safe_labels = labels.clamp(min=0).unsqueeze(-1)  # (B, T, 1)
+
+    def _rows(z: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        z = z.float()
+        return z.gather(-1, lab).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+    if logits.dtype in (torch.float32, torch.float64) or logits.dim() < 2:
+        out = _rows(logits, safe_labels)
+    else:
+        out = torch.stack([_rows(z, lab) for z, lab in zip(logits, safe_labels, strict=True)])
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Advantage estimators
+# --------------------------------------------------------------------------------------------------
+
+
+def _broadcast_to_tokens(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, T): ``values`` on every valid token, 0 at padding."""
+    tok = values.unsqueeze(-1).expand(response_mask.shape)  # (B, T)
+    return torch.where(_bool_mask(tok, response_mask), tok, _zero_like_scalar(tok))
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence score at its last valid token; (B,) -> (B, T), zero elsewhere.
+
+    Rows without valid tokens are all zero.
+    """
+    m = _bool_mask(response_mask, response_mask)  # (B, T)
+    T = m.shape[-1]
+    positions = torch.arange(T, device=m.device).expand_as(m)  # (B, T)
+    last = torch.where(m, positions, torch.full_like(positions, -1)).amax(dim=-1)  # (B,)
+    at_last = positions == last.unsqueeze(-1)  # (B, T)
+    tok = _float_scores(scores).unsqueeze(-1)  # (B, 1)
+    return torch.where(at_last & m, tok, torch.zeros((), dtype=tok.dtype, device=tok.device))
+
+
+def _group_stats(
+    scores: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group size, group sum and group sum of squared deviations; each (B,)."""
+    index = torch.as_tensor(index, device=scores.device)
+    if index.shape != scores.shape:
+        raise ValueError(f"index shape {tuple(index.shape)} does not match scores {tuple(scores.shape)}")
+    uniq, inverse = torch.unique(index, return_inverse=True)  # inverse (B,) in [0, G)
+    G = uniq.numel()
+    counts = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, torch.ones_like(scores)
+    )  # (G,)
+    sums = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)  # (G,)
+    mean = sums / counts.clamp(min=1.0)  # (G,)
+    sq_dev = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, (scores - mean[inverse]) ** 2
+    )  # (G,)
+    return counts[inverse], sums[inverse], sq_dev[inverse]
+
+
+def _float_scores(scores: torch.Tensor) -> torch.Tensor:
+    return scores if scores.is_floating_point() else scores.to(torch.get_default_dtype())
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantages, broadcast to every valid token.
+
+    A_i = (s_i - mean_g) / (std_g + eps) with std the unbiased (n - 1) group std; with
+    ``norm_by_std=False`` (Dr. GRPO) A_i = s_i - mean_g. A singleton group gets A = 0 (no baseline
+    can be formed from one sample). Returns ``(advantages, returns)``, both (B, T) and equal.
+    """
+    s = _float_scores(scores)  # (B,)
+    n, total, sq_dev = _group_stats(s, index)  # (B,) each
+    mean = total / n  # (B,)
+    adv = s - mean  # (B,)
+    if norm_by_std:
+        std = torch.sqrt(sq_dev / (n - 1.0).clamp(min=1.0))  # (B,); 0 for singletons
+        adv = adv / (std + eps)
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+    tok = _broadcast_to_tokens(adv, response_mask)  # (B, T)
+    return tok, tok.clone()
+
+
+def grpo_no_std_advantages(
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, *, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO advantages: A_i = s_i - mean_g (no std normalisation); see :func:`grpo_advantages`."""
+    return grpo_advantages(scores, index, response_mask, norm_by_std=False, eps=eps)
+
+
+def rloo_advantages(
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: A_i = s_i - (sum_g - s_i) / (n_g - 1), the mean of the *other* samples of the group.
+
+    Singleton groups get 0. Returns ``(advantages, returns)`` (B, T), equal.
+    """
+    s = _float_scores(scores)  # (B,)
+    n, total, _ = _group_stats(s, index)
+    loo_mean = (total - s) / (n - 1.0).clamp(min=1.0)  # (B,)
+    adv = torch.where(n > 1, s - loo_mean, torch.zeros_like(s))
+    tok = _broadcast_to_tokens(adv, response_mask)
+    return tok, tok.clone()
+
+
+def _discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k >= t, valid} gamma^(#valid tokens from t to k, exclusive of t) r_k; 0 at padding."""
+    m = _bool_mask(rewards, response_mask)  # (B, T)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)  # (B,)
+    out = torch.zeros_like(rewards)  # (B, T)
+    for t in reversed(range(rewards.shape[-1])):
+        step = rewards[:, t] + gamma * running
+        running = torch.where(m[:, t], step, running)  # padding is skipped, not discounted
+        out[:, t] = torch.where(m[:, t], running, torch.zeros_like(running))
+    return out
+
+
+def reinforce_plus_plus_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: returns G_t = sum_{k>=t} gamma^(k-t) r_k over valid tokens; A = masked_whiten(G).
+
+    Returns ``(advantages, returns)``, both (B, T) and zero at padding.
+    """
+    returns = _discounted_returns(token_level_rewards, response_mask, gamma)  # (B, T)
+    advantages = masked_whiten(returns, response_mask)
+    return advantages, returns
+
+
+def reinforce_plus_plus_baseline_advantages(
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: c_i = s_i - mean_g, broadcast to tokens, then whitened over all valid
+    tokens of the batch: A = masked_whiten(c, mask, eps=eps).
+
+    ``returns`` is the un-whitened, group-mean-subtracted score c broadcast to tokens. (B, T) each.
+    """
+    s = _float_scores(scores)
+    n, total, _ = _group_stats(s, index)
+    centered = _broadcast_to_tokens(s - total / n, response_mask)  # (B, T)
+    advantages = masked_whiten(centered, response_mask, eps=eps)
+    return advantages, centered
+
+
+def remax_advantages(
+    scores: torch.Tensor, baseline_scores: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: A_i = s_i - b_i with b_i the score of the greedy response to the same prompt.
+
+    Returns ``(advantages, returns)`` with returns = s_i broadcast; (B, T) each.
+    """
+    s = _float_scores(scores)
+    b = baseline_scores.to(s.dtype)
+    return _broadcast_to_tokens(s - b, response_mask), _broadcast_to_tokens(s, response_mask)
+
+
+def gae_advantages(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over valid tokens only.
+
+    delta_t = r_t + gamma * V_{t'} - V_t  with t' the next valid token (V = 0 past the last one);
+    A_t = delta_t + gamma * lam * A_{t'};  returns R_t = A_t + V_t.
+    ``advantages`` are masked_whiten(A) if ``whiten`` else A. (B, T) each, zero at padding.
+    """
+    m = _bool_mask(token_level_rewards, response_mask)  # (B, T)
+    B, T = token_level_rewards.shape
+    zeros = torch.zeros(B, dtype=token_level_rewards.dtype, device=token_level_rewards.device)
+    next_value = zeros  # (B,)
+    last_gae = zeros  # (B,)
+    adv = torch.zeros_like(token_level_rewards)  # (B, T)
+    for t in reversed(range(T)):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        valid = m[:, t]
+        last_gae = torch.where(valid, gae, last_gae)
+        next_value = torch.where(valid, values[:, t], next_value)
+        adv[:, t] = torch.where(valid, gae, zeros)
+    returns = torch.where(m, adv + values, torch.zeros_like(adv))
+    advantages = masked_whiten(adv, response_mask) if whiten else adv
+    return advantages, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo": grpo_advantages,
+    "grpo_no_std": grpo_no_std_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "remax": remax_advantages,
+    "gae": gae_advantages,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy / value losses
+# --------------------------------------------------------------------------------------------------
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token PPO clipped loss (B, T) and the clip-fraction metrics."""
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    loss_unclipped = -advantages * ratio  # (B, T)
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    negative = advantages < 0
+    with torch.no_grad():
+        clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+        clipfrac_low = masked_mean(((ratio < 1.0 - clip_low) & negative).float(), response_mask)
+        clipfrac_high = masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).float(), response_mask)
+    if clip_ratio_c is not None:
+        loss_dual = -advantages * clip_ratio_c  # (B, T)
+        dual_active = negative & (loss_dual < loss_mat)
+        loss_mat = torch.where(negative, torch.minimum(loss_mat, loss_dual), loss_mat)
+        clipfrac_dual = masked_mean(dual_active.float(), response_mask).item()
+    else:
+        clipfrac_dual = 0.0
+    metrics = {
+        "pg_clipfrac": clipfrac.item(),
+        "pg_clipfrac_low": clipfrac_low.item(),
+        "pg_clipfrac_high": clipfrac_high.item(),
+        "pg_clipfrac_dual": clipfrac_dual,
+    }
+    return loss_mat, metrics
+
+
+def ppo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (with optional dual clip); all tensors (B, T).
+
+    r_t = exp(clamp(logp_t - old_t, -20, 20))
+    l_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
+    dual clip (``clip_ratio_c`` = c > 1): l_t = min(l_t, -A_t * c) where A_t < 0.
+    loss = agg_loss(l, mask, agg_mode, ...).
+
+    Metrics (python floats, masked means over this call's valid tokens): ``pg_clipfrac`` (clipped
+    term chosen), ``pg_clipfrac_low`` (r < 1 - clip_low and A < 0), ``pg_clipfrac_high``
+    (r > 1 + clip_high and A > 0), ``pg_clipfrac_dual`` (dual clip active), ``ppo_kl``
+    (mean of old - logp).
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    loss_mat, metrics = _clipped_surrogate(
+        ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c
+    )
+    loss = agg_loss(
+        loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+    )
+    with torch.no_grad():
+        metrics["ppo_kl"] = masked_mean(old_log_probs - log_probs, response_mask).item()
+    return loss, metrics
+
+
+def gspo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: PPO clipping on a sequence-level, length-normalised importance ratio.
+
+    s_i = exp(mean_{t valid} (logp_it - old_it))                     # (B,)
+    r_it = sg(s_i) * exp(logp_it - sg(logp_it))   (value s_i; grad s_i * d logp_it)
+    l_it = max(-A_it * r_it, -A_it * clip(r_it, 1 - clip_low, 1 + clip_high))
+    loss = agg_loss(l, mask, agg_mode, ...)  (default ``seq-mean-token-mean``, so
+    d loss = -(1/N_seqs) sum_i A_i s_i mean_t d logp_it on unclipped sequences).
+
+    The GSPO paper uses far smaller clip ranges (about 3e-4 / 4e-4) than token-level PPO; the
+    defaults here are kept equal to :func:`ppo_policy_loss` so the two are interchangeable.
+    ``clip_ratio_c`` is accepted for signature compatibility and ignored (no dual clip).
+    Metrics as in :func:`ppo_policy_loss` (``pg_clipfrac_dual`` is always 0).
+    """
+    del clip_ratio_c
+    seq_log_ratio = masked_mean(log_probs - old_log_probs, response_mask, dim=-1)  # (B,)
+    seq_log_ratio = seq_log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = seq_log_ratio.unsqueeze(-1) + (log_probs - log_probs.detach())  # (B, T)
+    ratio = torch.exp(log_ratio)
+    loss_mat, metrics = _clipped_surrogate(ratio, advantages, response_mask, clip_low, clip_high, None)
+    loss = agg_loss(
+        loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+    )
+    with torch.no_grad():
+        metrics["ppo_kl"] = masked_mean(old_log_probs - log_probs, response_mask).item()
+    return loss, metrics
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
+    "vanilla": ppo_policy_loss,
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_range: float | None = 0.2,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss; all tensors (B, T).
+
+    v_c = old + clamp(v - old, -c, c);  l_t = 0.5 * max((v - R)^2, (v_c - R)^2)
+    (``clip_range=None`` disables clipping: l_t = 0.5 * (v - R)^2). loss = agg_loss(l, mask, ...).
+    Metrics: ``vf_clipfrac`` (fraction of valid tokens where the clipped term is larger) and
+    ``vf_loss`` (the aggregated loss as a float).
+    """
+    loss_unclipped = (values - returns).square()  # (B, T)
+    if clip_range is None:
+        loss_mat = 0.5 * loss_unclipped
+        clipfrac = 0.0
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        loss_clipped = (clipped_values - returns).square()
+        loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+        with torch.no_grad():
+            clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask).item()
+    loss = agg_loss(
+        loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+    )
+    return loss, {"vf_clipfrac": clipfrac, "vf_loss": loss.item()}
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over valid tokens (python float).
+
+    Returns 0.0 (not NaN) when Var(R) is 0 or there are fewer than two valid tokens.
+    """
+    var_returns = masked_var(returns, mask, unbiased=False)
+    if var_returns.item() <= 0.0:
+        return 0.0
+    var_residual = masked_var(returns - values, mask, unbiased=False)
+    return (1.0 - var_residual / var_returns).item()
+
+
+# --------------------------------------------------------------------------------------------------
+# KL coefficient controllers and reward shaping
+# --------------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient; ``update`` is a no-op."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op (kept for interface parity with :class:`AdaptiveKLController`)."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al., 2019).
+
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2);  value *= 1 + e * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        if target_kl <= 0:
+            raise ValueError(f"target_kl must be positive, got {target_kl}")
+        if horizon <= 0:
+            raise ValueError(f"horizon must be positive, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+def apply_kl_in_reward(
+    token_level_scores: torch.Tensor,
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, float]:
+    """Subtract a per-token KL penalty from the token-level scores; (B, T) each.
+
+    r_t = score_t - kl_coef * kl_t on valid tokens, 0 at padding (kl_t from :func:`kl_penalty`).
+    ``mean_kl`` (python float) is the mean over sequences that have at least one valid token of
+    each sequence's masked token-mean KL — the quantity fed to ``AdaptiveKLController.update``.
+    """
+    kl = kl_penalty(log_probs, ref_log_probs, estimator)  # (B, T)
+    m = _bool_mask(kl, response_mask)
+    kl = torch.where(m, kl, _zero_like_scalar(kl))
+    rewards = torch.where(m, token_level_scores - kl_coef * kl, torch.zeros_like(kl))
+    seq_kl = masked_mean(kl, m, dim=-1)  # (B,)
+    nonempty = m.any(dim=-1)  # (B,)
+    mean_kl = masked_mean(seq_kl, nonempty).item()
+    return rewards, mean_kl
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor,
+    *,
+    max_len: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment per sequence; (B,) -> (B,) float.
+
+    With L_exp = max_len - buffer_len:
+      0                                        if L <= L_exp
+      -(L - L_exp) / buffer_len * penalty_factor  if L_exp < L <= max_len
+      -penalty_factor                          if L > max_len
+    ``buffer_len = 0`` is a hard cut-off (-penalty_factor only beyond max_len).
+    """
+    if buffer_len < 0 or buffer_len > max_len:
+        raise ValueError(f"buffer_len must be in [0, max_len], got {buffer_len} (max_len={max_len})")
+    lengths = _float_scores(response_lengths)  # (B,)
+    if buffer_len == 0:
+        return torch.where(lengths > max_len, -penalty_factor, 0.0).to(lengths.dtype)
+    expected = float(max_len - buffer_len)
+    return -((lengths - expected) / buffer_len).clamp(0.0, 1.0) * penalty_factor
+
+
+def group_all_equal(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: True where every score of the row's group is exactly equal (zero-variance groups,
+    which DAPO dynamic sampling filters out). Singleton groups are True."""
+    index = torch.as_tensor(index, device=scores.device)
+    uniq, inverse = torch.unique(index, return_inverse=True)  # inverse (B,)
+    G = uniq.numel()
+    s = _float_scores(scores)
+    gmax = torch.full((G,), -math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
+        0, inverse, s, reduce="amax"
+    )
+    gmin = torch.full((G,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
+        0, inverse, s, reduce="amin"
+    )
+    return (gmax == gmin)[inverse]

@@ -1,0 +1,223 @@
+"""The ``torch`` training backend: plain PyTorch on one process (CPU or one GPU).
+
+It loads Hugging Face causal LMs, computes per-token log-probs and entropies in micro-batches, and
+trains with AdamW, gradient accumulation, global-norm clipping and a warm-up schedule. The FSDP2
+backend builds on the same worker, sharding the model across processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import Component, hookimpl
+from rlx.context import BuildContext
+from rlx.protocols import LossFn, RoleSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlx.batch import Batch
+
+
+class TorchBackendOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained.")
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice).")
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def lr_lambda(spec: RoleSpec):
+    warmup, total, kind = spec.warmup_steps, max(spec.total_steps, 1), spec.lr_schedule
+    min_ratio = float(spec.extra.get("min_lr_ratio", 0.0))
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - progress)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature)."""
+    import torch
+
+    from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
+
+    prompts, responses = batch["prompts"], batch["responses"]  # (b, P), (b, R)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)  # (b, P+R)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                   use_cache=False).logits
+    p, r = prompts.shape[1], responses.shape[1]
+    logits = logits[:, p - 1:p + r - 1].float()  # (b, R, V): position t predicts response token t
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    log_probs = log_probs_from_logits(logits, responses)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+class TorchWorker:
+    """One role's model on one device."""
+
+    def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        self.spec, self.options = spec, options
+        self.device = pick_device(device)
+        torch.manual_seed(spec.seed)
+        dtype = getattr(torch, spec.dtype)
+        # Trainable weights stay float32 on the CPU: bf16 AdamW on the CPU loses small updates.
+        if spec.trainable and self.device == "cpu":
+            dtype = torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(
+            spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
+            attn_implementation=options.attn_implementation,
+        ).to(self.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        if spec.trainable:
+            if spec.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.betas,
+                                               weight_decay=spec.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        else:
+            self.model.eval()
+            self.model.requires_grad_(False)
+
+    # -- inference --------------------------------------------------------------------------
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        import torch
+
+        from rlx.batch import Batch
+
+        temperature = float(batch.meta.get("temperature", 1.0))
+        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
+        out_lp, out_ent = [], []
+        with torch.no_grad():
+            for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
+                lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
+                out_lp.append(lp.cpu())
+                if ent is not None:
+                    out_ent.append(ent.cpu())
+        tensors = {"log_probs": torch.cat(out_lp)}
+        if with_entropy:
+            tensors["entropy"] = torch.cat(out_ent)
+        return Batch(tensors)
+
+    # -- training ---------------------------------------------------------------------------
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over ``batch`` (a mini-batch), accumulating over micro-batches."""
+        import torch
+
+        assert self.optimizer is not None, f"role {self.spec.role} is not trainable"
+        temperature = float(batch.meta.get("temperature", 1.0))
+        mask = batch["response_mask"]
+        batch.meta["minibatch_tokens"] = float(mask.sum())
+        batch.meta["minibatch_seqs"] = float((mask.sum(-1) > 0).sum())
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        total_weight = 0.0
+        for mb in batch.split(self.spec.micro_batch_size):
+            mb = mb.to(self.device)
+            log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
+            loss, metrics = loss_fn({"log_probs": log_probs, "entropy": entropy}, mb)
+            loss.backward()
+            weight = float(mb["response_mask"].sum())
+            total_weight += weight
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # a bad batch must not poison the weights: skip the update and report it
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        out = {k: v / max(total_weight, 1.0) for k, v in sums.items()}
+        out.update(grad_norm=float(grad_norm), lr=float(lr), skipped_step=float(not torch.isfinite(grad_norm)))
+        return out
+
+    # -- weights and checkpoints ------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def save_checkpoint(self, path: str) -> None:
+        import torch
+
+        os.makedirs(path, exist_ok=True)
+        torch.save(self.model.state_dict(), os.path.join(path, "model.pt"))
+        if self.optimizer is not None:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       os.path.join(path, "optim.pt"))
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   os.path.join(path, "rng.pt"))
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch
+
+        self.model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=self.device))
+        optim_path = os.path.join(path, "optim.pt")
+        if self.optimizer is not None and os.path.exists(optim_path):
+            state = torch.load(optim_path, map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        self.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
+class TorchBackend:
+    """Builds :class:`TorchWorker` s for roles; picklable so process launchers can ship it."""
+
+    def __init__(self, options: TorchBackendOptions, device: str) -> None:
+        self.options, self.device = options, device
+
+    def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> TorchWorker:
+        return TorchWorker(spec, self.options, self.device)
+
+
+def build(options: TorchBackendOptions | None, ctx: BuildContext) -> TorchBackend:
+    device = ctx.config.trainer.device if ctx.config is not None else "auto"
+    return TorchBackend(options or TorchBackendOptions(), device)
+
+
+@hookimpl
+def rlx_train_backends() -> list[Component]:
+    return [Component(kind="backend", name="torch", factory=build, config_model=TorchBackendOptions,
+                      summary="Plain PyTorch on one process (CPU or one GPU); AdamW, grad accumulation.")]

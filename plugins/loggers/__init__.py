@@ -1,0 +1,1 @@
+"""rlx built-in plugins."""

@@ -1,0 +1,191 @@
+"""The ``jsonl`` logger: metrics as JSON Lines in the run's output folder.
+
+File format (a contract: ``rlx`` tools and user scripts read it back with :func:`read_metrics`):
+
+``<output_dir>/metrics.jsonl`` (the name is the ``filename`` option) holds one JSON object per
+line, one line per ``log`` call, in the order they were logged::
+
+    {"step": 12, "time": 1718000000.5, "reward/mean": 0.41, "actor/pg_loss": -0.012, ...}
+
+- ``step`` (int) is the training step; ``time`` (float) the Unix time the line was written.
+- Every other key is a metric name exactly as the trainer emitted it (``group/name``), and its
+  value a float. A value that is NaN or infinite is written as ``null`` so that every line stays
+  valid JSON. Metric values that are not numbers (rare) are kept as strings.
+- Each line is written and flushed at once, so a crash loses no logged step; only a line being
+  written at the moment of the crash can be cut short, and :func:`read_metrics` skips such a last
+  line.
+- A fresh run that finds an old file moves it aside to ``<filename>.prev-<YYYYmmdd-HHMMSS>``
+  and starts a new one. A resumed run appends to the existing file; steps logged after the last
+  checkpoint of the interrupted run then appear twice (the later line is the one of the resumed
+  run; ``read_metrics(path, dedupe=True)`` keeps only that one).
+
+``<output_dir>/samples.jsonl`` (the ``samples_filename`` option) holds the rows passed to
+``log_samples``, one object per row: ``{"step": 12, "time": ..., "prompt": ..., "response": ...,
+"reward": ...}``, with the same rules (NaN as ``null``, moved aside on a fresh run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import Component, hookimpl
+from rlx.context import BuildContext
+
+_RESERVED = ("step", "time")
+
+
+class JsonlOptions(BaseModel):
+    """Options of the ``jsonl`` logger."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = Field(
+        "metrics.jsonl",
+        description="File the metrics are written to, relative to the run's output folder.",
+    )
+    samples_filename: str = Field(
+        "samples.jsonl",
+        description="File the sample rows (prompt, response, reward, ...) are written to, "
+        "relative to the run's output folder.",
+    )
+
+
+def _clean(value: Any) -> Any:
+    """A JSON-safe copy of ``value``: non-finite floats become None, array scalars plain numbers."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy and torch arrays and scalars
+    if callable(tolist):
+        try:
+            return _clean(tolist())
+        except Exception:
+            pass
+    try:
+        return _clean(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _metric_value(value: Any) -> Any:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return _clean(value)
+    return number if math.isfinite(number) else None
+
+
+def _move_aside(path: Path) -> None:
+    """Rename an existing, non-empty ``path`` to ``<path>.prev-<timestamp>`` (never overwriting)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.prev-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.prev-{stamp}-{n}")
+        n += 1
+    os.replace(path, target)
+
+
+class JsonlLogger:
+    """Appends one JSON object per ``log`` call to ``<output_dir>/<filename>``; see the module doc."""
+
+    def __init__(self, metrics_path: str | os.PathLike[str], samples_path: str | os.PathLike[str],
+                 resumed: bool = False) -> None:
+        self.path = Path(metrics_path)
+        self.samples_path = Path(samples_path)
+        for p in (self.path, self.samples_path):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if not resumed:
+                _move_aside(p)
+
+    @staticmethod
+    def _append(path: Path, lines: list[str]) -> None:
+        # Opened per call: every line reaches the OS as soon as it is logged, and no handle is left
+        # open when a run dies without calling finish().
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        for key, value in metrics.items():
+            if key not in _RESERVED:
+                row[str(key)] = _metric_value(value)
+        self._append(self.path, [json.dumps(row, allow_nan=False, ensure_ascii=False)])
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        if not rows:
+            return
+        now = time.time()
+        lines = []
+        for r in rows:
+            obj: dict[str, Any] = {"step": int(step), "time": now}
+            obj.update({str(k): _clean(v) for k, v in r.items() if k not in _RESERVED})
+            lines.append(json.dumps(obj, allow_nan=False, ensure_ascii=False))
+        self._append(self.samples_path, lines)
+
+    def finish(self) -> None:
+        """Nothing to close: every line is already written."""
+
+
+def read_metrics(path: str | os.PathLike[str], dedupe: bool = False) -> list[dict[str, Any]]:
+    """Read a file written by the ``jsonl`` logger: one dict per logged step, in file order.
+
+    ``path`` is the ``.jsonl`` file, or a run's output folder (then its ``metrics.jsonl`` is read).
+    Values are as stored: floats, or None where the metric was NaN or infinite. Blank lines are
+    skipped, and so is a last line cut short by a crash; any other malformed line is an error.
+    With ``dedupe=True`` only the last record of each step is kept (a resumed run may log a step
+    twice) and the result is sorted by step.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    lines = p.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:  # the line being written when the run died
+                break
+            raise ValueError(f"{p}:{i + 1}: not a JSON object: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ValueError(f"{p}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
+        records.append(obj)
+    if dedupe:
+        by_step: dict[Any, dict[str, Any]] = {}
+        for rec in records:
+            by_step[rec.get("step")] = rec
+        records = sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+    return records
+
+
+def build(options: JsonlOptions | None, ctx: BuildContext) -> JsonlLogger:
+    options = options or JsonlOptions()
+    out = Path(ctx.run.output_dir)
+    return JsonlLogger(out / options.filename, out / options.samples_filename, resumed=ctx.run.resumed)
+
+
+@hookimpl
+def rlx_loggers() -> list[Component]:
+    return [Component(kind="logger", name="jsonl", factory=build, config_model=JsonlOptions,
+                      summary="Writes metrics as JSON Lines to <output_dir>/metrics.jsonl.")]

@@ -1,0 +1,55 @@
+"""The ``arith`` reward of the built-in task: is the response's first number the right sum?
+
+The response must start with a number. A right answer scores 1; a wrong number scores
+``max(0, 1 - distance_penalty * |answer - truth|)`` (partial credit, so a model that starts from random
+weights gets a graded signal on every prompt); no number scores 0. ``arith/correct`` (exact match)
+is logged beside the score.
+
+>>> from rlx.protocols import RewardBatch
+>>> fn = build(ArithOptions(), None)
+>>> fn(RewardBatch(["What is 3+4?"] * 4, ["7", "5", "seven", "70"], ["7"] * 4, ["rlx/arith"] * 4, [{}] * 4)).scores
+[1.0, 0.8, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import Component, hookimpl
+from rlx.protocols import RewardBatch, RewardOutput
+
+_NUMBER = re.compile(r"\s*(-?\d+)")
+
+
+class ArithOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    distance_penalty: float = Field(
+        0.1, ge=0, description="Credit lost per unit of distance from the right answer (0: exact match only).")
+
+
+def score(response: str, ground_truth: object, opts: ArithOptions) -> float:
+    m = _NUMBER.match(response)
+    if m is None:
+        return 0.0
+    distance = abs(int(m.group(1)) - int(str(ground_truth).strip()))
+    if distance == 0:
+        return 1.0
+    return max(0.0, 1.0 - opts.distance_penalty * distance) if opts.distance_penalty else 0.0
+
+
+def build(options: ArithOptions | None, ctx: object) -> object:
+    opts = options or ArithOptions()
+
+    def arith_reward(batch: RewardBatch) -> RewardOutput:
+        scores = [score(r, gt, opts) for r, gt in zip(batch.responses, batch.ground_truths)]
+        return RewardOutput(scores, {"arith/correct": [float(s == 1.0) for s in scores]})
+
+    return arith_reward
+
+
+@hookimpl
+def rlx_rewards() -> list[Component]:
+    return [Component(kind="reward", name="arith", factory=build, config_model=ArithOptions,
+                      summary="Built-in task: the sum as the first number of the response, partial credit by distance.")]
