@@ -80,11 +80,15 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Component name, e.g. 
                  kind: Annotated[str | None, typer.Option(help="Component kind if the name is ambiguous.")]
                  = None) -> None:
     """A component's options, with their types, defaults and help."""
+    from rlx.components import KINDS
+    from rlx.errors import did_you_mean
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"--kind {kind}: no such component kind.{did_you_mean(kind, KINDS)} "
+                        f"Kinds: {', '.join(KINDS)}.")
     pm = _pm()
     found = [pm.get(kind, name)] if kind else pm.find(name)
     if not found:
-        from rlx.errors import did_you_mean
-
         names = sorted({n for (_, n) in pm.components()})
         raise UserError(f"No component named {name!r}.{did_you_mean(name, names)}",
                         "Run `rlx plugins list` to see every component.")
@@ -100,7 +104,8 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Component name, e.g. 
         typer.echo(f"  options (set as {section}.KEY=VALUE):")
         for fname, field in model.model_fields.items():
             default = field.get_default(call_default_factory=True)
-            ann = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+            ann = field.annotation
+            ann = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
             typer.echo(f"    {fname}: {ann} = {default!r}")
             if field.description:
                 typer.echo(f"        {field.description}")
@@ -123,17 +128,27 @@ DEFAULT_PRESET = "tiny"
 def _resolve(config: str | None, preset: str | None, backend: str | None, rollout: str | None,
              algorithm: str | None, reward: str | None, model: str | None, overrides: list[str] | None,
              check_files: bool = True) -> Any:
+    from rlx.config import override_key
     from rlx.validate import load_config
 
     overrides = list(overrides or [])
     # With no model, config file, data or preset, run the built-in job.
+    notice = None
     if preset is None and config is None and model is None and not any(
-            o.split("=", 1)[0].strip() in ("model.path", "data.train_files") for o in overrides):
+            override_key(o) in ("model.path", "data.train_files") for o in overrides):
         preset = DEFAULT_PRESET
-        typer.echo(f"No model, config or data given: using the built-in preset {preset!r}.", err=True)
+        notice = f"No model, config or data given: using the built-in preset {preset!r}."
     shortcuts = {"backend": backend, "rollout": rollout, "algorithm": algorithm, "reward": reward, "model": model}
-    return load_config(_pm(), preset=preset, config_file=config, shortcuts=shortcuts, overrides=overrides,
-                       check_files=check_files)
+    try:
+        resolved = load_config(_pm(), preset=preset, config_file=config, shortcuts=shortcuts,
+                               overrides=overrides, check_files=check_files)
+    except UserError as exc:
+        if notice:  # one message: the notice goes into the error's hint
+            exc.hint = f"{exc.hint}\n{notice}" if exc.hint else notice
+        raise
+    if notice:
+        typer.echo(notice, err=True)
+    return resolved
 
 
 @config_app.command("show")
@@ -185,30 +200,21 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def run() -> None:
-    """Console-script entry point: user errors end in one paragraph and exit status 2."""
+def run(args: list[str] | None = None) -> None:
+    """Console-script entry point: user errors end in one paragraph and exit status 2.
+
+    Typer runs in standalone mode, so it handles its own usage errors (exit 2), ``--help``,
+    ``typer.Exit`` and Ctrl-C itself, whichever click (installed or vendored by typer) it uses;
+    only a :class:`UserError` raised by a command comes back here.
+    """
     try:
         _pm().add_cli_commands(app)
-    except UserError as exc:
-        _fail(exc)
-    try:
-        app(standalone_mode=False)
+        app(args=args, prog_name="rlx")
     except UserError as exc:
         _fail(exc)
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
-    except Exception as exc:
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(EXIT_USER_ERROR)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 def _fail(exc: UserError) -> None:

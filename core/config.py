@@ -23,7 +23,8 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # coerce_numbers_to_str: ``trainer.experiment=2024`` is read as the int 2024 but meant as a name.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class ModelConfig(_Section):
@@ -78,7 +79,7 @@ class ActorConfig(_Section):
 class ComponentSection(BaseModel):
     """A section that names a plugin. Keys other than ``name`` are the plugin's own options."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, coerce_numbers_to_str=True)
     name: str
 
     def options(self) -> dict[str, Any]:
@@ -178,14 +179,29 @@ SHORTCUTS = {
 }
 
 
+def override_key(text: str) -> str:
+    """The dotted key of an override (``+a.b=1`` -> ``a.b``); ``""`` if it has no ``=``."""
+    key, eq, _ = text.partition("=")
+    return key.strip().lstrip("+") if eq else ""
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=value`` -> (``"a.b"``, parsed value). Values are read as YAML (numbers, lists, true)."""
     if "=" not in text:
         raise ConfigError([f"override {text!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6"])
     key, _, raw = text.partition("=")
-    key = key.strip().lstrip("+")
+    key = override_key(text)
     if not key:
         raise ConfigError([f"override {text!r}: the key before '=' is empty"])
+    if any(not part for part in key.split(".")):
+        raise ConfigError([f"override {text!r}: the key {key!r} has an empty part; "
+                           f"write dotted keys like actor.optim.lr"])
+    if raw.strip()[:1] in ("[", "{"):  # meant as a list or mapping: it must parse
+        try:
+            yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"{key}: value {raw.strip()!r} is not a valid YAML list or mapping "
+                               f"({getattr(exc, 'problem', None) or exc}), e.g. {key}=[a,b]"]) from None
     return key, parse_value(raw)
 
 
@@ -226,10 +242,14 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        raise ConfigError([f"--config {path}: is a folder, not a YAML file"])
     if not p.is_file():
         raise ConfigError([f"--config {path}: no such file"])
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"--config {path}: cannot read the file: {exc}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -237,7 +257,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: the top level must be a mapping of sections, "
                            f"got {type(data).__name__}"])
-    return data
+    # An empty section (``trainer:`` with nothing under it) sets nothing.
+    return {k: v for k, v in data.items() if v is not None}
 
 
 def preset_names() -> list[str]:
@@ -304,11 +325,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def dotted_path(parts: list[Any] | tuple[Any, ...]) -> str:
+    """``("trainer", "loggers", 1)`` -> ``trainer.loggers[1]``."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per pydantic error: ``dotted.path: what is wrong (got VALUE)``.
+
+    ``prefix`` is the dotted path of ``model`` in the whole config (``algorithm`` for a plugin's options).
+    """
     problems = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc)) or "(top level)"
+        path = dotted_path((prefix.split(".") if prefix else []) + list(loc)) or "(top level)"
         kind = err["type"]
         if kind == "extra_forbidden":
             names = _fields_at(model, loc[:-1])
@@ -316,14 +349,17 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
                             f"Valid keys here: {', '.join(names)}")
             continue
         msg = err["msg"]
-        if kind == "literal_error":
+        if kind == "missing" and loc and isinstance(loc[-1], int):  # a tuple given too few items
+            path = dotted_path((prefix.split(".") if prefix else []) + list(loc[:-1]))
+            msg = f"too few items: item [{loc[-1]}] is missing"
+        elif kind == "literal_error":
             msg = "must be one of " + err.get("ctx", {}).get("expected", "")
         elif kind == "value_error":
             msg = msg.removeprefix("Value error, ")
-            if not loc:  # cross-field check: the message carries its own path
-                problems.extend(m.strip() for m in msg.split("; "))
+            if not loc:  # cross-field check: the core's messages carry their own path
+                problems.extend(f"{prefix}: {m.strip()}" if prefix else m.strip() for m in msg.split("; "))
                 continue
-        if "input" in err and kind not in ("missing",):
+        if "input" in err and (kind != "missing" or (loc and isinstance(loc[-1], int))):
             msg += f" (got {_short(err['input'])})"
         problems.append(f"{path}: {msg}")
     return problems

@@ -54,7 +54,11 @@ class PluginManager:
         """Register a plugin object or module directly (tests and embedding use this)."""
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         self.pm.register(plugin, name=name)
-        self.pm.check_pending()
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            self.pm.unregister(name=name)
+            raise
         self._origin[id(plugin)] = (name, distribution or name, version)
         self.plugins.append(PluginRecord(name, distribution or name, version, "ok",
                                          hooks=self._hook_names(plugin)))
@@ -68,10 +72,10 @@ class PluginManager:
         off = set(disabled)
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist, ver = _dist_of(ep)
+            if any(p.name == ep.name for p in self.plugins):
+                continue
             if ep.name in off or dist in off:
                 self.plugins.append(PluginRecord(ep.name, dist, ver, "disabled"))
-                continue
-            if self.pm.has_plugin(ep.name):
                 continue
             try:
                 plugin = ep.load()
@@ -101,6 +105,7 @@ class PluginManager:
         if self._components is not None:
             return self._components
         found: dict[tuple[str, str], Component] = {}
+        collected: list[Component] = []
         for hook_name, kind in hookspecs.REGISTRATION_HOOKS.items():
             caller = getattr(self.pm.hook, hook_name)
             for impl in caller.get_hookimpls():
@@ -115,17 +120,22 @@ class PluginManager:
                         self._mark_failed(origin[0], TypeError(
                             f"{hook_name} must return Component records of kind {kind!r}; got {rec!r}"))
                         continue
-                    rec = rec.with_origin(*origin)
-                    key = (rec.kind, rec.name)
-                    if key in found:
-                        other = found[key]
-                        raise UserError(
-                            f"Two plugins provide a {kind} named {rec.name!r}: "
-                            f"{other.plugin!r} from distribution {other.distribution} {other.version} and "
-                            f"{rec.plugin!r} from distribution {rec.distribution} {rec.version}.",
-                            "Uninstall one of them, or turn one off with RLX_DISABLE_PLUGINS=<entry point name>.",
-                        )
-                    found[key] = rec
+                    collected.append(rec.with_origin(*origin))
+        # A plugin that is broken in any way contributes nothing, not even its valid records.
+        failed = {p.name for p in self.plugins if p.status == "failed"}
+        for rec in collected:
+            if rec.plugin in failed:
+                continue
+            key = (rec.kind, rec.name)
+            if key in found:
+                other = found[key]
+                raise UserError(
+                    f"Two plugins provide a {rec.kind} named {rec.name!r}: "
+                    f"{other.plugin!r} from distribution {other.distribution} {other.version} and "
+                    f"{rec.plugin!r} from distribution {rec.distribution} {rec.version}.",
+                    "Uninstall one of them, or turn one off with RLX_DISABLE_PLUGINS=<entry point name>.",
+                )
+            found[key] = rec
         self._components = dict(sorted(found.items()))
         return self._components
 

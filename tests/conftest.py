@@ -1,0 +1,40 @@
+"""Shared test set-up: one cache of built-in resources per session, and clean skips for hardware."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rlx_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Built-in resources (tiny model, synthetic data) are written once per session, here."""
+    path = os.environ.get("RLX_TEST_CACHE") or str(tmp_path_factory.mktemp("rlx-cache"))
+    os.environ["RLX_CACHE"] = path
+    return path
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skips = {
+        "gpu": (_has_gpu, "needs a CUDA GPU"),
+        "vllm": (lambda: _has("vllm"), "needs vllm (pip install 'rlx[vllm]')"),
+        "sglang": (lambda: _has("sglang"), "needs sglang (pip install 'rlx[sglang]')"),
+    }
+    for item in items:
+        for mark, (available, reason) in skips.items():
+            if mark in item.keywords and not available():
+                item.add_marker(pytest.mark.skip(reason=reason))
