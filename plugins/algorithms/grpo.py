@@ -80,11 +80,14 @@ class GRPOLoss:
             out["actor/kl_loss"] = float(F.masked_mean(kl.detach(), mask))
         return loss, out
 
-    def _to_mean(self, mb: Batch, mask: torch.Tensor) -> float:
-        """Factor turning this micro-batch's share of the loss into its own mean."""
-        if self.opts.loss_agg_mode == "token-mean":
-            return mb.meta["minibatch_tokens"] / max(float(mask.sum()), 1.0)
-        return mb.meta["minibatch_seqs"] / max(float((mask.sum(-1) > 0).sum()), 1.0)
+    @staticmethod
+    def _to_mean(mb: Batch, mask: torch.Tensor) -> float:
+        """Factor turning this micro-batch's share of the loss into a value the backend can average.
+
+        The backend averages metrics weighted by each micro-batch's token count, and the shares add
+        up to the mini-batch loss in every aggregation mode, so scaling by tokens is exact for all.
+        """
+        return mb.meta["minibatch_tokens"] / max(float(mask.sum()), 1.0)
 
 
 class GRPO:

@@ -120,12 +120,18 @@ class TorchWorker:
         temperature = float(batch.meta.get("temperature", 1.0))
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
         out_lp, out_ent = [], []
-        with torch.no_grad():
-            for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
-                out_lp.append(lp.cpu())
-                if ent is not None:
-                    out_ent.append(ent.cpu())
+        # Eval mode: a model configured with dropout must still score each token deterministically.
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
+                    lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
+                    out_lp.append(lp.cpu())
+                    if ent is not None:
+                        out_ent.append(ent.cpu())
+        finally:
+            self.model.train(was_training)
         tensors = {"log_probs": torch.cat(out_lp)}
         if with_entropy:
             tensors["entropy"] = torch.cat(out_ent)

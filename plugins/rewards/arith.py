@@ -52,4 +52,4 @@ def build(options: ArithOptions | None, ctx: object) -> object:
 @hookimpl
 def rlx_rewards() -> list[Component]:
     return [Component(kind="reward", name="arith", factory=build, config_model=ArithOptions,
-                      summary="Built-in task: the sum as the first number of the response, partial credit by distance.")]
+                      summary="Built-in task: the sum as the first number of the response; partial credit.")]

@@ -45,6 +45,14 @@ class HFRollout:
             attn_implementation=options.attn_implementation,
         ).to(self.device).eval()
         self.model.requires_grad_(False)
+        # Sample exactly as SamplingParams say: a model folder's generation_config.json may carry
+        # sampling defaults (repetition_penalty, top_k, ...) that generate() would apply on top of
+        # ours, so the responses would not come from the policy the actor trains.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=eos_token_ids,
+            pad_token_id=pad_token_id)
         self.options = options
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id

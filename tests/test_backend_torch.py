@@ -1,0 +1,247 @@
+"""The ``torch`` training backend on the built-in tiny Qwen2: log-probs, exact gradient accumulation,
+the learning-rate schedule, checkpoints, skipped non-finite steps and frozen roles."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from rlx import builtin
+from rlx.batch import Batch
+from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
+from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, lr_lambda
+from rlx.protocols import RoleSpec
+
+PAD = 0
+TEMPERATURE = 0.7
+PROMPT_LENGTHS = [5, 9, 3, 7, 9, 4, 6, 8]
+RESPONSE_LENGTHS = [6, 1, 4, 6, 2, 5, 3, 6]  # ragged; every micro-batch of 2 has its own token count
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The built-in tiny model written to a private cache; one torch thread keeps the tiny model fast."""
+    old_cache, old_threads = os.environ.get("RLX_CACHE"), torch.get_num_threads()
+    os.environ["RLX_CACHE"] = str(tmp_path_factory.mktemp("rlx_cache"))
+    torch.set_num_threads(1)
+    try:
+        yield builtin.resolve("builtin:tiny-qwen2")
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cache is None:
+            os.environ.pop("RLX_CACHE", None)
+        else:
+            os.environ["RLX_CACHE"] = old_cache
+
+
+def make_worker(path: str, trainable: bool = True, **spec) -> TorchWorker:
+    spec.setdefault("lr", 1e-3)
+    return TorchWorker(RoleSpec(role="actor" if trainable else "ref", model_path=path, trainable=trainable, **spec),
+                       TorchBackendOptions(), "cpu")
+
+
+def make_batch(seed: int = 0, rows: int = 8) -> Batch:
+    """Left-padded prompts, right-padded responses with ragged masks, GRPO inputs and a temperature."""
+    g = torch.Generator().manual_seed(seed)
+    plens, rlens = PROMPT_LENGTHS[:rows], RESPONSE_LENGTHS[:rows]
+    P, R = max(plens), max(rlens)
+    prompts = torch.full((rows, P), PAD)
+    prompt_mask = torch.zeros((rows, P), dtype=torch.long)
+    responses = torch.full((rows, R), PAD)
+    response_mask = torch.zeros((rows, R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(plens, rlens)):
+        prompts[i, P - p:] = torch.randint(3, 60, (p,), generator=g)
+        prompt_mask[i, P - p:] = 1
+        responses[i, :r] = torch.randint(3, 60, (r,), generator=g)
+        response_mask[i, :r] = 1
+    mask = response_mask.float()
+    advantages = torch.randn(rows, 1, generator=g) * mask  # one advantage per response, on its tokens
+    old_log_probs = (-2.0 - torch.rand(rows, R, generator=g)) * mask
+    return Batch({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+                  "response_mask": response_mask, "advantages": advantages, "old_log_probs": old_log_probs},
+                 meta={"temperature": TEMPERATURE})
+
+
+def weights(worker: TorchWorker) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+
+
+def grpo_loss(**options) -> GRPOLoss:
+    return GRPOLoss(GRPOOptions(use_kl_loss=False, **options))
+
+
+def manual_log_probs(model, batch: Batch, temperature: float) -> list[torch.Tensor]:
+    """Each row's response log-probs from a forward pass on the row alone, without any padding."""
+    out = []
+    with torch.no_grad():
+        for i in range(len(batch)):
+            prompt = batch["prompts"][i][batch["prompt_mask"][i].bool()]
+            response = batch["responses"][i][batch["response_mask"][i].bool()]
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0].float() / temperature
+            lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+            out.append(lp.gather(-1, response[:, None]).squeeze(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def test_compute_log_probs_matches_manual(model_path):
+    worker = make_worker(model_path, trainable=False, micro_batch_size=3)
+    batch = make_batch()
+    out = worker.compute_log_probs(batch, with_entropy=True)
+    R = batch["responses"].shape[1]
+    assert out["log_probs"].shape == (8, R) and out["entropy"].shape == (8, R)
+    assert not out["log_probs"].requires_grad
+    expected = manual_log_probs(worker.model, batch, TEMPERATURE)
+    mask = batch["response_mask"].bool()
+    for i, want in enumerate(expected):
+        torch.testing.assert_close(out["log_probs"][i][mask[i]], want, atol=1e-5, rtol=0)
+    # Entropy of the tempered distribution, checked on one row.
+    with torch.no_grad():
+        p = batch["prompts"][0][batch["prompt_mask"][0].bool()]
+        r = batch["responses"][0][mask[0]]
+        logits = worker.model(input_ids=torch.cat([p, r])[None]).logits[0, len(p) - 1:-1] / TEMPERATURE
+    ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(out["entropy"][0][mask[0]], ent, atol=1e-5, rtol=0)
+    # Neither the micro-batch size nor the temperature's absence (1.0) changes how rows are scored.
+    worker.spec.extra["log_prob_micro_batch_size"] = 8
+    whole = worker.compute_log_probs(batch)
+    torch.testing.assert_close(whole["log_probs"][mask], out["log_probs"][mask], atol=1e-5, rtol=0)
+    plain = Batch(dict(batch.tensors))
+    at_one = worker.compute_log_probs(plain)
+    for i, want in enumerate(manual_log_probs(worker.model, batch, 1.0)):
+        torch.testing.assert_close(at_one["log_probs"][i][mask[i]], want, atol=1e-5, rtol=0)
+
+
+def test_compute_log_probs_is_deterministic_with_dropout(model_path, tmp_path):
+    """A trainable model configured with dropout scores tokens without it, and stays in train mode."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_dropout"] = 0.5
+    (folder / "config.json").write_text(json.dumps(config))
+    worker = make_worker(str(folder), micro_batch_size=8)
+    assert worker.model.training
+    batch = make_batch()
+    first, second = worker.compute_log_probs(batch), worker.compute_log_probs(batch)
+    assert torch.equal(first["log_probs"], second["log_probs"])
+    assert worker.model.training
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gradient_accumulation_is_exact(model_path, agg):
+    """One step on 8 sequences: a single micro-batch of 8 and four of 2 give the same weights."""
+    whole = make_worker(model_path, micro_batch_size=8)
+    micro = make_worker(model_path, micro_batch_size=2)
+    start = weights(whole)
+    m_whole = whole.train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    m_micro = micro.train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    after_whole, after_micro = weights(whole), weights(micro)
+    moved = max(float((after_whole[k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-4  # the step did something measurable
+    for k in start:
+        torch.testing.assert_close(after_micro[k], after_whole[k], atol=1e-6, rtol=0, msg=k)
+    assert m_whole["skipped_step"] == m_micro["skipped_step"] == 0.0
+    assert m_micro["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5)
+    for key in ("actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):  # token means over the mini-batch
+        assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_reported_pg_loss_does_not_depend_on_micro_batches(model_path, agg):
+    whole = make_worker(model_path, micro_batch_size=8).train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    micro = make_worker(model_path, micro_batch_size=2).train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    assert micro["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_lr_schedule_values(model_path):
+    base = {"role": "actor", "model_path": "unused", "trainable": True}
+    warm_cos = lr_lambda(RoleSpec(**base, warmup_steps=2, total_steps=6, lr_schedule="cosine"))
+    expected = [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]
+    assert [warm_cos(s) for s in range(7)] == pytest.approx(expected)
+    assert warm_cos(100) == pytest.approx(0.0)  # stays at the floor after total_steps
+    floor = lr_lambda(RoleSpec(**base, total_steps=4, lr_schedule="cosine", extra={"min_lr_ratio": 0.1}))
+    assert [floor(s) for s in (0, 2, 4)] == pytest.approx([1.0, 0.1 + 0.9 * 0.5, 0.1])
+    linear = lr_lambda(RoleSpec(**base, warmup_steps=1, total_steps=5, lr_schedule="linear"))
+    assert [linear(s) for s in range(6)] == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25, 0.0])
+    constant = lr_lambda(RoleSpec(**base, warmup_steps=4, total_steps=10))
+    assert [constant(s) for s in (0, 1, 3, 4, 9)] == pytest.approx([0.25, 0.5, 1.0, 1.0, 1.0])
+
+    # The worker reports the lr each step used, and steps the schedule once per train_step.
+    worker = make_worker(model_path, lr=1e-2, warmup_steps=2, total_steps=6, lr_schedule="cosine",
+                         micro_batch_size=2)
+    small = make_batch(rows=2)
+    used = [worker.train_step(small, grpo_loss())["lr"] for _ in range(4)]
+    assert used == pytest.approx([1e-2 * f for f in expected[:4]])
+
+
+def test_checkpoint_round_trip(model_path, tmp_path):
+    loss = grpo_loss()
+    a = make_worker(model_path, micro_batch_size=4, warmup_steps=2, total_steps=5, lr_schedule="cosine")
+    a.train_step(make_batch(seed=1), loss)
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = weights(a)
+    saved_optim = copy.deepcopy(a.optimizer.state_dict())
+    m_a = a.train_step(make_batch(seed=2), loss)
+    after_a = weights(a)
+
+    b = make_worker(model_path, micro_batch_size=4, warmup_steps=2, total_steps=5, lr_schedule="cosine")
+    assert any(not torch.equal(v, saved[k]) for k, v in weights(b).items())
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    for k, v in weights(b).items():
+        assert torch.equal(v, saved[k]), k
+    loaded = b.optimizer.state_dict()
+    assert loaded["param_groups"] == saved_optim["param_groups"]
+    assert loaded["state"].keys() == saved_optim["state"].keys() and loaded["state"]
+    for idx, state in saved_optim["state"].items():
+        for name, value in state.items():
+            assert torch.equal(loaded["state"][idx][name], value), (idx, name)
+    assert b.scheduler.last_epoch == 1
+
+    m_b = b.train_step(make_batch(seed=2), loss)
+    for k, v in weights(b).items():
+        assert torch.equal(v, after_a[k]), k
+    assert m_b == m_a
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_non_finite_loss_skips_the_step(model_path):
+    worker = make_worker(model_path, micro_batch_size=4)
+    before = weights(worker)
+    bad = make_batch()
+    bad.tensors["advantages"][3, 0] = float("nan")
+    metrics = worker.train_step(bad, grpo_loss())
+    assert metrics["skipped_step"] == 1.0
+    assert not math.isfinite(metrics["grad_norm"])
+    for k, v in weights(worker).items():
+        assert torch.equal(v, before[k]), k
+    assert not worker.optimizer.state  # AdamW moments untouched by the bad batch
+    assert all(p.grad is None for p in worker.model.parameters())
+
+    def inf_loss(outputs, mb):
+        return outputs["log_probs"].sum() * float("inf"), {}
+
+    assert worker.train_step(make_batch(), inf_loss)["skipped_step"] == 1.0
+    for k, v in weights(worker).items():
+        assert torch.equal(v, before[k]), k
+    # The next good batch trains normally.
+    good = worker.train_step(make_batch(), grpo_loss())
+    assert good["skipped_step"] == 0.0 and math.isfinite(good["grad_norm"])
+    assert any(not torch.equal(v, before[k]) for k, v in weights(worker).items())
+
+
+def test_frozen_role_has_no_optimizer_and_no_grads(model_path):
+    worker = make_worker(model_path, trainable=False, micro_batch_size=4)
+    assert worker.optimizer is None and worker.scheduler is None
+    assert not worker.model.training
+    assert all(not p.requires_grad for p in worker.model.parameters())
+    out = worker.compute_log_probs(make_batch(), with_entropy=True)
+    assert not out["log_probs"].requires_grad
+    assert all(p.grad is None for p in worker.model.parameters())
+    with pytest.raises(AssertionError, match="not trainable"):
+        worker.train_step(make_batch(), grpo_loss())
