@@ -63,8 +63,9 @@ def rlx_algorithms() -> Iterable[Component]:
 def rlx_advantage_estimators() -> Iterable[Component]:
     """Return advantage estimators (``kind="advantage"``) that algorithms can select by name.
 
-    The factory is the estimator function itself, called with the batch's tensors; see
-    :mod:`rlx.plugins.algorithms` for its signature.
+    The factory is the estimator itself (not a builder): ``fn(inputs: EstimatorInputs) ->
+    (advantages, returns)``, both (B, R); see :class:`rlx.protocols.EstimatorInputs` and
+    :func:`rlx.protocols.advantage_estimator`. Users pick it with ``algorithm.adv_estimator=NAME``.
     """
 
 

@@ -100,6 +100,13 @@ class TrainWorker(Protocol):
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Return a batch with ``log_probs`` (B, R) (and ``entropy`` (B, R) if asked)."""
 
+    def compute_values(self, batch: Batch) -> Batch:
+        """Critic only (``RoleSpec.value_head``): a batch with ``values`` (B, R), 0 at padding.
+
+        ``values[:, t]`` is the value of the state *before* response token t (the prompt and
+        response tokens 0..t-1): the same position whose logits give the log-prob of token t.
+        """
+
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on a mini-batch, split into micro-batches with gradient accumulation."""
 
@@ -118,19 +125,90 @@ class TrainWorker(Protocol):
 # Algorithm
 @runtime_checkable
 class Algorithm(Protocol):
-    """An RL algorithm: advantages from rewards, and the losses that use them."""
+    """An RL algorithm: advantages from rewards, and the losses that use them.
+
+    Besides the members below, the trainer reads these optional ones (with the defaults shown) when
+    an algorithm has them:
+
+    - ``needs_greedy_baseline: bool = False``: generate one greedy response per prompt, score it,
+      and put its score in ``baseline_scores`` (B,) (and its length in ``baseline_response_length``).
+    - ``value_loss_fn() -> LossFn``: the critic's loss; called when ``needs_critic``.
+    - ``filter_groups: bool = False`` and ``keep_rows(batch) -> torch.Tensor``: dynamic sampling;
+      ``keep_rows`` gives a (B,) bool mask of the rows worth training on (whole groups), and the
+      trainer keeps generating until ``data.train_batch_size`` prompts' groups are kept or
+      ``max_num_gen_batches: int`` (0 = no limit) generation batches were drawn.
+    - ``state_dict() -> dict`` / ``load_state_dict(dict)``: state saved in checkpoints (e.g. an
+      adaptive KL coefficient); must be JSON-serialisable.
+    """
 
     needs_ref: bool
     needs_critic: bool
 
     def compute_advantages(self, batch: Batch) -> Batch:
-        """Add ``advantages`` (B, R) and ``returns`` (B, R) to a scored batch (``token_level_scores``)."""
+        """Add ``advantages`` (B, R) and ``returns`` (B, R) to a scored batch.
+
+        The batch holds ``scores`` (B,), ``group_index`` (B,), ``response_mask`` (B, R),
+        ``old_log_probs`` (B, R), and ``ref_log_probs`` / ``values`` (B, R) when the algorithm asked
+        for a reference model / critic.
+        """
 
     def policy_loss_fn(self) -> LossFn:
         """The actor's loss, used by :meth:`TrainWorker.train_step`."""
 
     def metrics(self, batch: Batch) -> dict[str, float]:
         """Per-step statistics of the batch (advantages, returns, KL, ...)."""
+
+
+@dataclass
+class EstimatorInputs:
+    """Everything an advantage estimator may use; one object so that new fields never break one.
+
+    An estimator is a function ``fn(inputs: EstimatorInputs) -> (advantages, returns)``, both (B, R)
+    and 0 at padding, registered as a ``Component(kind="advantage", name=..., factory=fn)`` through
+    the ``rlx_advantage_estimators`` hook and picked with ``algorithm.adv_estimator=NAME``.
+    An estimator that needs a critic's values or a greedy baseline says so with a ``requires``
+    attribute (see :func:`advantage_estimator`); the algorithm then has the trainer build them.
+    """
+
+    response_mask: torch.Tensor  # (B, R) float, 1 on real response tokens
+    scores: torch.Tensor  # (B,) sequence rewards: token_level_rewards summed over the response
+    token_level_rewards: torch.Tensor  # (B, R) shaped score on the last real token, minus any KL penalty
+    group_index: torch.Tensor  # (B,) int; the samples of one prompt share an id
+    values: torch.Tensor | None = None  # (B, R) critic values (``requires={"values"}``)
+    baseline_scores: torch.Tensor | None = None  # (B,) greedy-response scores (``requires={"baseline_scores"}``)
+    gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+    options: dict[str, Any] = field(default_factory=dict)  # algorithm.estimator_options, for plugins
+    batch: Batch | None = None  # the whole batch, for anything else
+
+
+AdvantageEstimator = Callable[[EstimatorInputs], "tuple[torch.Tensor, torch.Tensor]"]
+ESTIMATOR_REQUIREMENTS = ("values", "baseline_scores")
+
+
+def advantage_estimator(*, requires: Iterable[str] = ()) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Mark what an estimator needs besides rewards: ``"values"`` (a critic) and/or
+    ``"baseline_scores"`` (a greedy response per prompt, as in ReMax)::
+
+        @advantage_estimator(requires=["values"])
+        def my_gae(inputs: EstimatorInputs): ...
+    """
+    needs = frozenset(requires)
+    unknown = needs - set(ESTIMATOR_REQUIREMENTS)
+    if unknown:
+        raise ValueError(f"unknown estimator requirements {sorted(unknown)}; known: {ESTIMATOR_REQUIREMENTS}")
+
+    def mark(fn: AdvantageEstimator) -> AdvantageEstimator:
+        fn.requires = needs  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def estimator_requires(fn: AdvantageEstimator) -> frozenset[str]:
+    """What ``fn`` declared with :func:`advantage_estimator` (nothing if it declared nothing)."""
+    return frozenset(getattr(fn, "requires", ()))
 
 
 # ---------------------------------------------------------------------------------------------

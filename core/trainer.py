@@ -9,9 +9,12 @@ One step::
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 import time
+import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -59,6 +62,44 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     return tok
 
 
+def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size: int, shuffle: bool, seed: int,
+               prefix: str, metrics: dict[str, list[float]]) -> None:
+    """``epochs`` passes over ``batch`` in mini-batches of ``mini_size`` rows, one optimizer step each
+    (the backend accumulates gradients over micro-batches). Metrics are collected in ``metrics``
+    under ``prefix/`` (keys that already name a section keep theirs)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        data = batch.index(torch.randperm(len(batch), generator=gen)) if shuffle else batch
+        for mini in data.split(mini_size):
+            for k, v in group.call("train_step", mini, loss_fn).items():
+                metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
+
+
+# Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
+_PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
+_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0}
+
+
+def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
+    """Concatenate rollout batches whose prompts and responses were padded to different widths."""
+    import torch.nn.functional as F
+
+    if len(parts) == 1:
+        return parts[0]
+    out = []
+    for part in parts:
+        tensors = dict(part.tensors)
+        for keys, left in ((_PROMPT_KEYS, True), (_RESPONSE_KEYS, False)):
+            width = max(p[next(iter(keys))].shape[1] for p in parts)
+            for key, fill in keys.items():
+                if key in tensors and tensors[key].shape[1] < width:
+                    extra = width - tensors[key].shape[1]
+                    value = pad_token_id if fill == "pad" else fill
+                    tensors[key] = F.pad(tensors[key], (extra, 0) if left else (0, extra), value=value)
+        out.append(Batch(tensors, part.non_tensors, part.meta))
+    return Batch.concat(out)
+
+
 class Trainer:
     def __init__(self, resolved: Resolved, pm: PluginManager) -> None:
         self.resolved, self.cfg, self.pm = resolved, resolved.config, pm
@@ -87,6 +128,8 @@ class Trainer:
         self.sampling = SamplingParams(
             n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k, max_tokens=d.max_response_length, greedy=cfg.rollout.temperature == 0)
+        # One greedy response per prompt, for algorithms whose baseline is its score (ReMax).
+        self.greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0, greedy=True)
 
         run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
                       resolved.as_dict(), resumed=self.resume_from is not None)
@@ -126,6 +169,19 @@ class Trainer:
                    "log_prob_micro_batch_size": cfg.actor.log_prob_micro_batch_size_per_device},
         )
 
+    def _critic_spec(self) -> RoleSpec:
+        cfg, c = self.cfg, self.cfg.critic
+        minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        epochs = c.ppo_epochs or cfg.actor.ppo_epochs
+        return dataclasses.replace(
+            self._role_spec("critic", True), model_path=resolve_path(c.model_path) if c.model_path else self.model_path,
+            value_head=True, lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=c.optim.betas,
+            warmup_steps=c.optim.warmup_steps, total_steps=self.total_steps * epochs * minibatches,
+            lr_schedule=c.optim.lr_schedule, grad_clip=c.optim.grad_clip,
+            micro_batch_size=c.micro_batch_size_per_device,
+            extra={"min_lr_ratio": c.optim.min_lr_ratio,
+                   "log_prob_micro_batch_size": c.forward_micro_batch_size_per_device})
+
     def _build_roles(self) -> None:
         cfg = self.cfg
         self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
@@ -134,11 +190,14 @@ class Trainer:
         self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)), 1)
         self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)), 1)
                     if self.algorithm.needs_ref else None)
+        # The critic (value model) only when the algorithm's advantages need values.
+        self.critic = (self.launcher.create_group("critic", partial(backend.worker, self._critic_spec()), 1)
+                       if self.algorithm.needs_critic else None)
         rollout = self._build("rollout", cfg.rollout.name, "rollout")
         self.rollout = self.launcher.create_group("rollout", lambda rank, world: rollout, 1)
         reward_fn = self._build("reward", cfg.reward.name, "reward")
         self.reward = self.launcher.create_group(
-            "reward", lambda rank, world: RewardWorker(reward_fn, self.tokenizer, cfg.reward.name), 1)
+            "reward", lambda rank, world: RewardWorker(reward_fn, self.tokenizer, cfg.reward.name, cfg.reward), 1)
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -153,21 +212,16 @@ class Trainer:
         metrics: dict[str, float] = {}
         try:
             while self.step < self.total_steps:
-                for examples in self.loader:
-                    self.step += 1
-                    metrics = self.train_step(examples)
-                    t = cfg.trainer
-                    if self.val_set is not None and t.test_freq > 0 and (
-                            self.step % t.test_freq == 0 or self.step == self.total_steps):
-                        metrics.update(self.validate())
-                    self._log(metrics, self.step)
-                    self.pm.hook.rlx_on_step_end(step=self.step, metrics=metrics)
-                    if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
-                        self.save()
-                    if self.step >= self.total_steps:
-                        break
-                else:
-                    self.loader.next_epoch()
+                self.step += 1
+                metrics = self.train_step(self._next_examples())
+                t = cfg.trainer
+                if self.val_set is not None and t.test_freq > 0 and (
+                        self.step % t.test_freq == 0 or self.step == self.total_steps):
+                    metrics.update(self.validate())
+                self._log(metrics, self.step)
+                self.pm.hook.rlx_on_step_end(step=self.step, metrics=metrics)
+                if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
+                    self.save()
             if cfg.trainer.save_freq != 0 and (checkpoint.latest(self.ckpt_root) is None or
                                                checkpoint.latest(self.ckpt_root).name != f"global_step_{self.step}"):
                 self.save()
@@ -180,41 +234,116 @@ class Trainer:
             self.launcher.shutdown()
         return metrics
 
+    def _next_examples(self) -> list[Any]:
+        """The next batch of prompts; a new epoch starts when the current one is used up. The loader's
+        position is saved in checkpoints, so a resumed run draws the same batches."""
+        for examples in self.loader:
+            return examples
+        self.loader.next_epoch()
+        for examples in self.loader:
+            return examples
+        raise RuntimeError("the prompt loader yields no batch")
+
     def train_step(self, examples: list[Any]) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
-        prompts = collate(examples, self.tokenizer.pad_token_id)
-        with timer("gen"):
-            batch: Batch = self.rollout.call("generate", prompts, self.sampling)
-        n = self.sampling.n
-        batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
-        with timer("reward"):
-            batch.update(self.reward.call("score", batch))
+        batch, rollout_metrics = self._rollout(examples, timer)
+        if not len(batch):  # dynamic sampling found nothing to train on within its limit
+            return {**rollout_metrics, **timer.times, "timing/step": time.perf_counter() - step_start}
         with timer("old_log_prob"):
             batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
         if self.ref is not None:
             with timer("ref"):
                 batch.tensors["ref_log_probs"] = self.ref.call("compute_log_probs", batch)["log_probs"]
+        if self.critic is not None:
+            with timer("values"):
+                batch.tensors["values"] = self.critic.call("compute_values", batch)["values"]
         with timer("adv"):
             self.algorithm.compute_advantages(batch)
-        loss_fn = self.algorithm.policy_loss_fn()
-        mini_size = cfg.actor.ppo_mini_batch_size * n
         update: dict[str, list[float]] = {}
-        with timer("update_actor"):
-            gen = torch.Generator().manual_seed(cfg.trainer.seed + self.step)
-            for _ in range(cfg.actor.ppo_epochs):
-                order = torch.randperm(len(batch), generator=gen) if cfg.actor.shuffle else None
-                data = batch.index(order) if order is not None else batch
-                for mini in data.split(mini_size):
-                    for k, v in self.actor.call("train_step", mini, loss_fn).items():
-                        update.setdefault(k, []).append(v)
-        with timer("update_weights"):
-            self.launcher.transfer_weights(self.actor, self.rollout)
+        mini_size = cfg.actor.ppo_mini_batch_size * self.sampling.n
+        if self.critic is not None:
+            with timer("update_critic"):
+                ppo_update(self.critic, batch, self.algorithm.value_loss_fn(), epochs=cfg.critic.ppo_epochs or
+                           cfg.actor.ppo_epochs, mini_size=mini_size, shuffle=cfg.actor.shuffle,
+                           seed=cfg.trainer.seed + self.step, prefix="critic", metrics=update)
+        if self.critic is None or self.step > cfg.critic.warmup_steps:  # critic warm-up: the actor waits
+            with timer("update_actor"):
+                ppo_update(self.actor, batch, self.algorithm.policy_loss_fn(), epochs=cfg.actor.ppo_epochs,
+                           mini_size=mini_size, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed + self.step,
+                           prefix="actor", metrics=update)
+            with timer("update_weights"):
+                self.launcher.transfer_weights(self.actor, self.rollout)
         metrics = self._step_metrics(batch, timer, time.perf_counter() - step_start)
-        metrics.update({(k if "/" in k else f"actor/{k}"): sum(v) / len(v) for k, v in update.items()})
+        metrics.update(rollout_metrics)
+        metrics.update({k: sum(v) / len(v) for k, v in update.items()})
         metrics.update(self.algorithm.metrics(batch))
         self._log_samples(batch)
         return metrics
+
+    def _generate_scored(self, examples: list[Any], timer: Timer, first_group: int = 0) -> Batch:
+        """n responses per prompt, scored; ``group_index`` numbers the prompts from ``first_group``."""
+        prompts = collate(examples, self.tokenizer.pad_token_id)
+        n = self.sampling.n
+        with timer("gen"):
+            batch: Batch = self.rollout.call("generate", prompts, self.sampling)
+        batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + first_group
+        with timer("reward"):
+            batch.update(self.reward.call("score", batch))
+        if getattr(self.algorithm, "needs_greedy_baseline", False):
+            with timer("gen_baseline"):
+                greedy: Batch = self.rollout.call("generate", prompts, self.greedy_sampling)
+                scored = self.reward.call("score", greedy)
+            batch.tensors["baseline_scores"] = scored["scores"].repeat_interleave(n)
+            batch.tensors["baseline_response_length"] = greedy["response_mask"].sum(-1).repeat_interleave(n)
+        return batch
+
+    def _rollout(self, examples: list[Any], timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """The step's scored rollouts.
+
+        With dynamic sampling (the algorithm's ``filter_groups``), only the groups the algorithm keeps
+        (``keep_rows``: not all rewards equal) are trained on, and more prompt batches are drawn from
+        the loader until ``data.train_batch_size`` prompts' groups are kept (extra ones are dropped) or
+        ``max_num_gen_batches`` batches were generated; then the step trains on what it has.
+        """
+        alg = self.algorithm
+        if not getattr(alg, "filter_groups", False):
+            return self._generate_scored(examples, timer), {}
+        target, limit = self.cfg.data.train_batch_size, int(getattr(alg, "max_num_gen_batches", 0))
+        kept: list[Batch] = []
+        all_scores: list[torch.Tensor] = []
+        kept_groups = seen_groups = gen_batches = 0
+        while True:
+            batch = self._generate_scored(examples, timer, first_group=seen_groups)
+            gen_batches += 1
+            seen_groups += len(examples)
+            all_scores.append(batch["scores"])
+            keep = alg.keep_rows(batch)
+            if bool(keep.any()):
+                part = batch.index(keep.nonzero().squeeze(-1))
+                kept.append(part)
+                kept_groups += int(part["group_index"].unique().numel())
+            if kept_groups >= target or (limit and gen_batches >= limit):
+                break
+            examples = self._next_examples()
+        scores = torch.cat(all_scores)
+        metrics = {"rollout/num_gen_batches": float(gen_batches),
+                   "rollout/filtered_group_ratio": 1.0 - kept_groups / seen_groups,
+                   "rollout/kept_groups": float(min(kept_groups, target)),
+                   "rollout/all_reward/mean": float(scores.mean())}
+        if kept_groups < target:
+            warnings.warn(f"step {self.step}: dynamic sampling kept {kept_groups} of {target} prompts' groups in "
+                          f"{gen_batches} generation batches (algorithm.max_num_gen_batches={limit}); "
+                          + ("training on those." if kept_groups else "skipping this step's update.")
+                          + " Most prompts get the same reward on every sample: the data may be too easy or "
+                          "too hard for the model.", RuntimeWarning, stacklevel=2)
+        if not kept:
+            return Batch(), metrics
+        batch = concat_rollouts(kept, self.tokenizer.pad_token_id)
+        if kept_groups > target:  # keep the first `target` groups, whole
+            first = batch["group_index"].unique()[:target]
+            batch = batch.index(torch.isin(batch["group_index"], first).nonzero().squeeze(-1))
+        return batch, metrics
 
     def _step_metrics(self, batch: Batch, timer: Timer, seconds: float) -> dict[str, float]:
         scores = batch["scores"]
@@ -264,26 +393,24 @@ class Trainer:
                                 top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 max_tokens=cfg.data.max_response_length,
                                 greedy=cfg.rollout.val_temperature == 0)
-        by_source: dict[str, list[float]] = {}
-        examples = self.val_set.examples
-        for i in range(0, len(examples), cfg.data.val_batch_size):
-            prompts = collate(examples[i:i + cfg.data.val_batch_size], self.tokenizer.pad_token_id)
-            out = self.rollout.call("generate", prompts, params)
-            scored = self.reward.call("score", out)
-            for src, s in zip(out["data_source"], scored["scores"].tolist()):
-                by_source.setdefault(src, []).append(s)
-        allv = [s for v in by_source.values() for s in v]
-        m = {"val/reward/mean": sum(allv) / len(allv)}
-        for src, v in by_source.items():
-            m[f"val/{src}/reward/mean"] = sum(v) / len(v)
-        return m
+        # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.evaluation).
+        from rlx.evaluation import evaluate, flatten, summarize
+
+        records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),
+                           score=partial(self.reward.call, "score"), params=params,
+                           batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id)
+        return flatten(summarize(records), prefix="val")
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
         def write(tmp: Path) -> None:
             self.actor.call_all("save_checkpoint", str(tmp / "actor"))
+            if self.critic is not None:
+                self.critic.call_all("save_checkpoint", str(tmp / "critic"))
 
-        state = {"loader": self.loader.state_dict()}
+        state: dict[str, Any] = {"loader": self.loader.state_dict()}
+        if hasattr(self.algorithm, "state_dict"):  # e.g. an adaptive KL coefficient
+            state["algorithm"] = self.algorithm.state_dict()
         path = checkpoint.save(self.ckpt_root, self.step, write, state, keep=self.cfg.trainer.max_checkpoints_to_keep)
         self.pm.hook.rlx_on_checkpoint(step=self.step, path=str(path))
         return path
@@ -291,6 +418,13 @@ class Trainer:
     def _load(self, path: Path) -> None:
         state = checkpoint.read_state(path)
         self.actor.call_all("load_checkpoint", str(path / "actor"))
+        if self.critic is not None:
+            if not (path / "critic").is_dir():
+                raise UserError(f"{path} has no critic, but algorithm {self.cfg.algorithm.name!r} needs one.",
+                                "Resume with the algorithm the run was started with, or start a new run.")
+            self.critic.call_all("load_checkpoint", str(path / "critic"))
+        if "algorithm" in state and hasattr(self.algorithm, "load_state_dict"):
+            self.algorithm.load_state_dict(state["algorithm"])
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         print(f"Resuming from {path} (step {self.step}).")

@@ -245,3 +245,112 @@ def test_frozen_role_has_no_optimizer_and_no_grads(model_path):
     assert all(p.grad is None for p in worker.model.parameters())
     with pytest.raises(AssertionError, match="not trainable"):
         worker.train_step(make_batch(), grpo_loss())
+
+
+# ---------------------------------------------------------------------------------------------
+# The critic: a value model on the policy's architecture
+def make_critic(path: str, **spec) -> TorchWorker:
+    spec.setdefault("lr", 1e-3)
+    return TorchWorker(RoleSpec(role="critic", model_path=path, trainable=True, value_head=True, **spec),
+                       TorchBackendOptions(), "cpu")
+
+
+def critic_batch(seed: int = 0) -> Batch:
+    batch = make_batch(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    mask = batch["response_mask"].float()
+    batch.tensors["values"] = torch.randn(len(batch), mask.shape[1], generator=g) * 0.1 * mask
+    batch.tensors["returns"] = (torch.rand(len(batch), 1, generator=g) * mask)
+    return batch
+
+
+def test_critic_values_are_aligned_with_the_state_before_each_token(model_path):
+    """values[:, t] is the head's output at the position that predicts response token t (the state
+    made of the prompt and response[:t]), the same position as the actor's log-prob of token t; the
+    head is fresh (one output) on top of the policy's own transformer weights."""
+    from transformers import AutoModelForCausalLM
+
+    critic = make_critic(model_path, micro_batch_size=3)
+    policy = AutoModelForCausalLM.from_pretrained(model_path)
+    body = dict(critic.model.model.named_parameters())
+    for name, p in policy.model.named_parameters():
+        assert torch.equal(body[name], p), name  # the transformer comes from the checkpoint
+    assert critic.model.score.out_features == 1
+    batch = make_batch()
+    out = critic.compute_values(batch)["values"]
+    mask = batch["response_mask"].bool()
+    assert out.shape == mask.shape and torch.all(out[~mask] == 0)
+    with torch.no_grad():
+        for i in range(len(batch)):
+            prompt = batch["prompts"][i][batch["prompt_mask"][i].bool()]
+            response = batch["responses"][i][mask[i]]
+            v = critic.model(input_ids=torch.cat([prompt, response])[None]).logits[0, :, 0]
+            torch.testing.assert_close(out[i][mask[i]], v[len(prompt) - 1:-1], atol=1e-5, rtol=0)
+    with pytest.raises(AssertionError, match="value model"):
+        critic.compute_log_probs(batch)
+
+
+def test_critic_gradient_accumulation_is_exact(model_path):
+    from rlx.plugins.algorithms.base import CriticLoss
+
+    whole, micro = make_critic(model_path, micro_batch_size=8), make_critic(model_path, micro_batch_size=2)
+    start = weights(whole)
+    m_whole = whole.train_step(critic_batch(), CriticLoss(0.05))
+    m_micro = micro.train_step(critic_batch(), CriticLoss(0.05))
+    moved = max(float((weights(whole)[k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-4
+    after_micro = weights(micro)
+    for k, v in weights(whole).items():
+        torch.testing.assert_close(after_micro[k], v, atol=1e-6, rtol=0, msg=k)
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "grad_norm"):
+        assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+    assert 0 < m_whole["critic/vf_clipfrac"] < 1  # the small clip range is active on some tokens
+
+
+def test_critic_checkpoint_round_trip(model_path, tmp_path):
+    from rlx.plugins.algorithms.base import CriticLoss
+
+    a = make_critic(model_path, micro_batch_size=4)
+    a.train_step(critic_batch(1), CriticLoss(0.5))
+    a.save_checkpoint(str(tmp_path / "critic"))
+    b = make_critic(model_path, micro_batch_size=4)
+    b.load_checkpoint(str(tmp_path / "critic"))
+    for k, v in weights(b).items():
+        assert torch.equal(v, weights(a)[k]), k
+    assert b.train_step(critic_batch(2), CriticLoss(0.5)) == a.train_step(critic_batch(2), CriticLoss(0.5))
+    # a saved critic loads as a value model with its trained head (critic.model_path=...)
+    a.save_pretrained(str(tmp_path / "hf"))
+    c = make_critic(str(tmp_path / "hf"))
+    torch.testing.assert_close(c.compute_values(make_batch())["values"], a.compute_values(make_batch())["values"])
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_ppo_epochs_minibatches_microbatches_are_exact(model_path, role):
+    """2 PPO epochs x 2 shuffled mini-batches of 4 rows: micro-batches of 2 (accumulated) and of 4 (one
+    pass per mini-batch) end with the same weights, for the actor and for the critic."""
+    from rlx.plugins.algorithms.base import CriticLoss
+    from rlx.plugins.launchers.local import LocalWorkerGroup
+    from rlx.trainer import ppo_update
+
+    batch = critic_batch()
+    # old log-probs of the starting policy: the first epoch is on-policy, the second clips some tokens
+    batch.tensors["old_log_probs"] = make_worker(model_path).compute_log_probs(batch)["log_probs"]
+
+    def run(micro: int) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+        if role == "actor":
+            worker = make_worker(model_path, micro_batch_size=micro, lr=3e-4)
+            loss = grpo_loss(loss_agg_mode="seq-mean-token-sum")
+        else:
+            worker, loss = make_critic(model_path, micro_batch_size=micro), CriticLoss(0.2)
+        metrics: dict[str, list[float]] = {}
+        ppo_update(LocalWorkerGroup(role, [worker]), batch, loss, epochs=2, mini_size=4, shuffle=True,
+                   seed=7, prefix=role, metrics=metrics)
+        return weights(worker), metrics
+
+    (w_micro, m_micro), (w_whole, m_whole) = run(2), run(4)
+    assert len(m_whole[f"{role}/grad_norm"]) == 4  # 2 epochs x 2 mini-batches = 4 optimizer steps
+    if role == "actor":
+        assert m_whole["actor/pg_clipfrac"][:2] == [0.0, 0.0] and max(m_whole["actor/pg_clipfrac"][2:]) > 0.1
+    for k, v in w_whole.items():
+        torch.testing.assert_close(w_micro[k], v, atol=1e-6, rtol=0, msg=k)
+    assert m_micro[f"{role}/grad_norm"] == pytest.approx(m_whole[f"{role}/grad_norm"], rel=1e-5)

@@ -120,7 +120,7 @@ CASES = {
                             ["data.train_batch_size:", "greater than 0", "(got -4)"]),
     "unknown plugin": (["--algorithm", "grop"],
                        ["algorithm.name: No algorithm named 'grop'", "Did you mean 'grpo'?",
-                        "Valid algorithms: grpo"]),
+                        "Valid algorithms: dapo, grpo, ppo, reinforce_plus_plus, remax, rloo"]),
     "unknown plugin option": (["rollout.temprature=0.5"],
                               ["rollout.temprature: unknown key for rollout 'hf'",
                                "Did you mean 'temperature'?"]),

@@ -56,12 +56,10 @@ def lr_lambda(spec: RoleSpec):
     return f
 
 
-def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature)."""
+def _response_outputs(model: Any, batch: Batch) -> torch.Tensor:
+    """The model's outputs at the positions before each response token: (b, R, V) for a language
+    model, (b, R, 1) for a value model. Position t holds the state (prompt, response[:t])."""
     import torch
-
-    from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
 
     prompts, responses = batch["prompts"], batch["responses"]  # (b, P), (b, R)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)  # (b, P+R)
@@ -70,12 +68,56 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                    use_cache=False).logits
     p, r = prompts.shape[1], responses.shape[1]
-    logits = logits[:, p - 1:p + r - 1].float()  # (b, R, V): position t predicts response token t
+    return logits[:, p - 1:p + r - 1].float()
+
+
+def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature)."""
+    from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
+
+    responses = batch["responses"]  # (b, R)
+    logits = _response_outputs(model, batch)  # (b, R, V): position t predicts response token t
     if temperature and temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, responses)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
+
+
+def response_values(model: Any, batch: Batch) -> torch.Tensor:
+    """Values (b, R) of a value model; values[:, t] scores the state before response token t.
+    Padding is 0."""
+    import torch
+
+    values = _response_outputs(model, batch).squeeze(-1)  # (b, R)
+    return torch.where(batch["response_mask"].bool(), values, torch.zeros((), dtype=values.dtype,
+                                                                           device=values.device))
+
+
+def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> Any:
+    """A value model: the checkpoint's transformer with a one-output token head.
+
+    From a causal-LM checkpoint the head is new (initialised from ``spec.seed``); from a checkpoint
+    saved by a critic (or any one-label token classifier) it is loaded. Dropout on the head is off.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from rlx.errors import UserError
+
+    config = AutoConfig.from_pretrained(spec.model_path, trust_remote_code=spec.trust_remote_code, num_labels=1)
+    config.classifier_dropout = 0.0
+    try:
+        return AutoModelForTokenClassification.from_pretrained(
+            spec.model_path, config=config, dtype=dtype, trust_remote_code=spec.trust_remote_code,
+            attn_implementation=attn_implementation)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise UserError(f"Cannot build a value model from {spec.model_path!r}: transformers has no "
+                        f"token-classification class for its architecture ({type(config).__name__}).",
+                        "Give critic.model_path a checkpoint whose architecture has one (e.g. Qwen2, Llama), "
+                        "or use an algorithm without a critic (grpo, rloo, reinforce_plus_plus).") from None
 
 
 class TorchWorker:
@@ -94,10 +136,13 @@ class TorchWorker:
         # Trainable weights stay float32 on the CPU: bf16 AdamW on the CPU loses small updates.
         if spec.trainable and self.device == "cpu":
             dtype = torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(
-            spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
-            attn_implementation=options.attn_implementation,
-        ).to(self.device)
+        if spec.value_head:
+            self.model = load_value_model(spec, dtype, options.attn_implementation).to(self.device)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
+                attn_implementation=options.attn_implementation,
+            ).to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         if spec.trainable:
@@ -112,11 +157,31 @@ class TorchWorker:
             self.model.requires_grad_(False)
 
     # -- inference --------------------------------------------------------------------------
+    def compute_values(self, batch: Batch) -> Batch:
+        """Critic values (B, R) of the states before each response token; 0 at padding."""
+        import torch
+
+        from rlx.batch import Batch
+
+        assert self.spec.value_head, f"role {self.spec.role} has no value head"
+        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
+        out = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
+                    out.append(response_values(self.model, mb.to(self.device)).cpu())
+        finally:
+            self.model.train(was_training)
+        return Batch({"values": torch.cat(out)})
+
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         import torch
 
         from rlx.batch import Batch
 
+        assert not self.spec.value_head, f"role {self.spec.role} is a value model"
         temperature = float(batch.meta.get("temperature", 1.0))
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
         out_lp, out_ent = [], []
@@ -153,8 +218,12 @@ class TorchWorker:
         total_weight = 0.0
         for mb in batch.split(self.spec.micro_batch_size):
             mb = mb.to(self.device)
-            log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
-            loss, metrics = loss_fn({"log_probs": log_probs, "entropy": entropy}, mb)
+            if self.spec.value_head:
+                outputs = {"values": response_values(self.model, mb)}
+            else:
+                log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
+                outputs = {"log_probs": log_probs, "entropy": entropy}
+            loss, metrics = loss_fn(outputs, mb)
             loss.backward()
             weight = float(mb["response_mask"].sum())
             total_weight += weight

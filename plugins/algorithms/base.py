@@ -1,0 +1,323 @@
+"""What every built-in algorithm shares: the options, the actor and critic losses, and one
+policy-gradient algorithm class that the algorithm modules (``grpo``, ``rloo``, ``ppo``, ...)
+configure with their own defaults.
+
+One step of the algorithm, on a batch of B responses (R response tokens, right-padded)::
+
+    s_i      = score_i + overlong_penalty(len_i)                          (shaped scores, (B,))
+    r_it     = s_i on the last real token, 0 elsewhere                    (token-level scores)
+             - beta * KL_t(pi_old || pi_ref)   if use_kl_in_reward        (token-level rewards)
+    A, G     = estimator(EstimatorInputs(scores = sum_t r_it, token_level_rewards = r, ...))
+    actor:  L = agg(PPO-clip(ratio, A)) + kl_loss_coef * agg(KL(pi || pi_ref)) - entropy_coeff * agg(H)
+    critic: L = agg(0.5 * max((V - G)^2, (clip(V, V_old +- c) - G)^2))    (when the estimator needs values)
+
+The tensor math is :mod:`rlx.plugins.algorithms.functional`; this module imports torch only when
+an algorithm is built or run, so listing plugins stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx.context import BuildContext
+from rlx.errors import UserError, did_you_mean
+from rlx.protocols import estimator_requires
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlx.batch import Batch
+    from rlx.registry import PluginManager
+
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class KLControlOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: beta = kl_coef always; adaptive: beta follows target_kl (Ziegler et al.).")
+    kl_coef: float = Field(0.001, ge=0, description="beta, the weight of the KL penalty in the reward (initial "
+                           "value when adaptive).")
+    target_kl: float = Field(0.1, gt=0, description="Adaptive: the per-token KL the controller steers towards.")
+    horizon: int = Field(10000, gt=0, description="Adaptive: beta changes by at most 20% per `horizon` sequences.")
+
+
+class AlgorithmOptions(BaseModel):
+    """Options common to every built-in algorithm; each algorithm module changes some defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    # -- advantages
+    adv_estimator: str = Field(
+        "grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+        "remax, gae, or one a plugin registers (rlx plugins list shows kind 'advantage').")
+    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std (false: Dr. GRPO).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (bias-variance trade-off of gae).")
+    estimator_options: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form options handed to a plugin estimator (EstimatorInputs.options).")
+    # -- policy loss
+    policy_loss: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="vanilla: PPO clip on the token ratio; gspo: on the sequence-level ratio.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range for the probability ratio.")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Lower clip range (default clip_ratio).")
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="Upper clip range (default clip_ratio; DAPO's clip-higher uses 0.28).")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="Dual-clip: bound the loss of negative-advantage tokens at -A * c (e.g. 3).")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become one number.")
+    entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    # -- KL to the reference policy
+    use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
+    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
+    kl_loss_type: KLEstimator = Field("low_var_kl", description="KL estimator of the loss (low_var_kl = k3).")
+    use_kl_in_reward: bool = Field(False, description="Subtract beta * KL(pi_old || pi_ref) from the token rewards "
+                                   "(PPO/RLHF style).")
+    kl_penalty: KLEstimator = Field("k1", description="KL estimator of the reward penalty.")
+    kl_ctrl: KLControlOptions = Field(default_factory=KLControlOptions, description="beta of the reward penalty.")
+    # -- DAPO
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling: drop prompts whose responses all scored the same, generate more.")
+    max_num_gen_batches: int = Field(
+        10, ge=0, description="Dynamic sampling: most generation batches per step (0: no limit).")
+    overlong_buffer_len: int | None = Field(
+        0, ge=0, description="Overlong shaping: responses longer than data.max_response_length - this lose "
+        "reward linearly (0: off; null: a quarter of data.max_response_length).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Overlong shaping: the most reward lost.")
+
+    def plugin_problems(self, pm: PluginManager) -> list[str]:
+        """Config problems with the components these options name (called by config validation)."""
+        problem = unknown_estimator(pm, self.adv_estimator)
+        return [f"adv_estimator: {problem}"] if problem else []
+
+
+def unknown_estimator(pm: PluginManager, name: str) -> str | None:
+    """What is wrong with an estimator name, or None if a plugin provides it."""
+    names = pm.names("advantage")
+    if name in names:
+        return None
+    return (f"no advantage estimator named {name!r}.{did_you_mean(name, names)} Valid estimators: "
+            f"{', '.join(names)} (plugins add more: `rlx plugins list` shows kind 'advantage').")
+
+
+class ActorLoss:
+    """The actor loss; a plain picklable object so process launchers can send it to workers."""
+
+    def __init__(self, opts: AlgorithmOptions) -> None:
+        self.opts = opts
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        from rlx.plugins.algorithms import functional as F
+
+        o = self.opts
+        log_probs, entropy = outputs["log_probs"], outputs["entropy"]  # (b, R)
+        mask = mb["response_mask"].to(log_probs.dtype)
+        # Normalise by the whole mini-batch's counts so that summing micro-batch gradients gives
+        # exactly the mini-batch gradient.
+        norm = minibatch_norm(mb, mask)
+        clip = {"clip_low": o.clip_ratio_low or o.clip_ratio, "clip_high": o.clip_ratio_high or o.clip_ratio,
+                "clip_ratio_c": o.clip_ratio_c}
+        pg_loss, metrics = F.POLICY_LOSSES[o.policy_loss](
+            log_probs, mb["old_log_probs"], mb["advantages"], mask, agg_mode=o.loss_agg_mode, **clip, **norm)
+        out = {f"actor/{k}": float(v) for k, v in metrics.items()}
+        out["actor/pg_loss"] = float(pg_loss.detach()) * share_to_mean(mb, mask)
+        out["actor/entropy"] = float(F.masked_mean(entropy.detach(), mask))
+        loss = pg_loss
+        if o.entropy_coeff:
+            loss = loss - o.entropy_coeff * F.agg_loss(entropy, mask, o.loss_agg_mode, **norm)
+        if o.use_kl_loss:
+            kl = F.kl_penalty(log_probs, mb["ref_log_probs"], o.kl_loss_type)  # (b, R)
+            loss = loss + o.kl_loss_coef * F.agg_loss(kl, mask, o.loss_agg_mode, **norm)
+            out["actor/kl_loss"] = float(F.masked_mean(kl.detach(), mask))
+        return loss, out
+
+
+class CriticLoss:
+    """The critic's clipped value loss (token-mean over the mini-batch); picklable."""
+
+    def __init__(self, cliprange_value: float | None) -> None:
+        self.cliprange_value = cliprange_value
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        from rlx.plugins.algorithms import functional as F
+
+        values = outputs["values"]  # (b, R)
+        mask = mb["response_mask"].to(values.dtype)
+        norm = minibatch_norm(mb, mask)
+        loss, metrics = F.value_loss(values, mb["values"], mb["returns"], mask, clip_range=self.cliprange_value,
+                                     agg_mode="token-mean", **norm)
+        return loss, {"critic/vf_loss": metrics["vf_loss"] * share_to_mean(mb, mask),
+                      "critic/vf_clipfrac": metrics["vf_clipfrac"],
+                      "critic/vpred_mean": float(F.masked_mean(values.detach(), mask))}
+
+
+def minibatch_norm(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
+    """The mini-batch's token and sequence counts, put in ``mb.meta`` by the backend, for ``agg_loss``."""
+    return {"num_tokens": mb.meta["minibatch_tokens"], "num_seqs": mb.meta["minibatch_seqs"],
+            "max_len": mask.shape[1]}
+
+
+def share_to_mean(mb: Batch, mask: torch.Tensor) -> float:
+    """Factor turning this micro-batch's share of the loss into a value the backend can average.
+
+    The backend averages metrics weighted by each micro-batch's token count, and the shares add
+    up to the mini-batch loss in every aggregation mode, so scaling by tokens is exact for all.
+    """
+    return mb.meta["minibatch_tokens"] / max(float(mask.sum()), 1.0)
+
+
+class PolicyGradient:
+    """The policy-gradient algorithm behind ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``remax``,
+    ``dapo`` and ``ppo``: they differ only in their option defaults.
+
+    What it asks of the trainer follows from the options: a reference model when a KL term is on,
+    a critic when the estimator requires values, a greedy baseline when it requires baseline scores.
+    """
+
+    def __init__(self, opts: AlgorithmOptions, ctx: BuildContext) -> None:
+        from rlx.plugins.algorithms import functional as F
+        from rlx.registry import get_plugin_manager
+
+        self.opts = opts
+        pm = ctx.plugins or get_plugin_manager()
+        problem = unknown_estimator(pm, opts.adv_estimator)
+        if problem:
+            raise UserError(f"algorithm.adv_estimator: {problem}")
+        self.estimator = pm.get("advantage", opts.adv_estimator).load_factory()
+        needs = estimator_requires(self.estimator)
+        self.needs_critic = "values" in needs
+        self.needs_greedy_baseline = "baseline_scores" in needs
+        self.needs_ref = opts.use_kl_loss or opts.use_kl_in_reward
+        self.filter_groups = opts.filter_groups
+        self.max_num_gen_batches = opts.max_num_gen_batches
+        k = opts.kl_ctrl
+        self.kl_ctrl: F.FixedKLController | F.AdaptiveKLController = (
+            F.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon) if k.type == "adaptive"
+            else F.FixedKLController(k.kl_coef))
+        cfg = ctx.config
+        self.max_response_length = cfg.data.max_response_length if cfg is not None else None
+        self.cliprange_value = cfg.critic.cliprange_value if cfg is not None else 0.5
+        self.overlong_buffer_len = opts.overlong_buffer_len
+        if self.overlong_buffer_len is None or self.overlong_buffer_len > 0:
+            if self.max_response_length is None:
+                raise UserError("algorithm.overlong_buffer_len needs data.max_response_length.")
+            if self.overlong_buffer_len is None:
+                self.overlong_buffer_len = max(1, self.max_response_length // 4)
+            if self.overlong_buffer_len > self.max_response_length:
+                raise UserError(f"algorithm.overlong_buffer_len={self.overlong_buffer_len} is larger than "
+                                f"data.max_response_length={self.max_response_length}.",
+                                "Use a buffer shorter than the longest response, or 0 to turn shaping off.")
+
+    # -- rewards ----------------------------------------------------------------------------
+    def _shaped(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Scores plus the DAPO overlong penalty (when on); (B,) float32."""
+        from rlx.plugins.algorithms import functional as F
+
+        scores = scores.float()
+        if not self.overlong_buffer_len:
+            return scores
+        assert self.max_response_length is not None
+        return scores + F.overlong_penalty(lengths, max_len=self.max_response_length,
+                                           buffer_len=self.overlong_buffer_len,
+                                           penalty_factor=self.opts.overlong_penalty_factor).float()
+
+    def shaped_scores(self, batch: Batch) -> torch.Tensor:
+        return self._shaped(batch["scores"], batch["response_mask"].sum(-1))
+
+    def keep_rows(self, batch: Batch) -> torch.Tensor:
+        """Dynamic sampling: (B,) bool, True for the rows of groups whose shaped scores differ."""
+        from rlx.plugins.algorithms import functional as F
+
+        return ~F.group_all_equal(self.shaped_scores(batch), batch["group_index"])
+
+    # -- advantages -------------------------------------------------------------------------
+    def compute_advantages(self, batch: Batch) -> Batch:
+        import torch
+
+        from rlx.plugins.algorithms import functional as F
+        from rlx.protocols import EstimatorInputs
+
+        mask = batch["response_mask"].float()  # (B, R)
+        scores = self.shaped_scores(batch)  # (B,)
+        token_scores = F.scores_to_token_rewards(scores, mask)  # (B, R)
+        stats: dict[str, float] = {}
+        if self.opts.use_kl_in_reward:
+            beta = self.kl_ctrl.value
+            rewards, mean_kl = F.apply_kl_in_reward(token_scores, batch["old_log_probs"], batch["ref_log_probs"],
+                                                    mask, beta, self.opts.kl_penalty)
+            self.kl_ctrl.update(mean_kl, n_steps=len(batch))
+            stats.update({"actor/reward_kl_penalty": mean_kl, "actor/reward_kl_coef": beta})
+        else:
+            rewards = token_scores
+        baseline = None
+        if "baseline_scores" in batch:
+            baseline = self._shaped(batch["baseline_scores"], batch["baseline_response_length"])
+        o = self.opts
+        inputs = EstimatorInputs(
+            response_mask=mask, scores=rewards.sum(-1), token_level_rewards=rewards,
+            group_index=batch["group_index"], values=batch.tensors.get("values"), baseline_scores=baseline,
+            gamma=o.gamma, lam=o.lam, norm_adv_by_std=o.norm_adv_by_std, options=dict(o.estimator_options),
+            batch=batch)
+        advantages, returns = self.estimator(inputs)
+        for name, t in (("advantages", advantages), ("returns", returns)):
+            if tuple(t.shape) != tuple(mask.shape):
+                raise RuntimeError(f"advantage estimator {o.adv_estimator!r} returned {name} of shape "
+                                   f"{tuple(t.shape)}; expected (B, R) = {tuple(mask.shape)}")
+        valid = mask.bool()
+        zero = torch.zeros((), dtype=torch.float32)
+        batch.update(shaped_scores=scores, token_level_scores=token_scores, token_level_rewards=rewards,
+                     advantages=torch.where(valid, advantages.float(), zero),
+                     returns=torch.where(valid, returns.float(), zero))
+        batch.meta["algorithm_stats"] = stats
+        return batch
+
+    # -- losses -----------------------------------------------------------------------------
+    def policy_loss_fn(self) -> ActorLoss:
+        return ActorLoss(self.opts)
+
+    def value_loss_fn(self) -> CriticLoss:
+        return CriticLoss(self.cliprange_value)
+
+    # -- metrics and state ------------------------------------------------------------------
+    def metrics(self, batch: Batch) -> dict[str, float]:
+        from rlx.plugins.algorithms import functional as F
+
+        mask = batch["response_mask"].float()
+        valid = mask.bool()
+        out: dict[str, float] = dict(batch.meta.get("algorithm_stats", {}))
+        keys = ["advantages", "returns"] + (["values"] if "values" in batch else [])
+        for key in keys:
+            x = batch[key]
+            picked = x[valid]
+            out[f"critic/{key}/mean"] = float(F.masked_mean(x, mask))
+            out[f"critic/{key}/max"] = float(picked.max()) if picked.numel() else 0.0
+            out[f"critic/{key}/min"] = float(picked.min()) if picked.numel() else 0.0
+        out["critic/score/mean"] = float(batch["shaped_scores"].mean())
+        out["critic/rewards/mean"] = float(batch["token_level_rewards"].sum(-1).mean())
+        if "values" in batch:
+            out["critic/vf_explained_var"] = F.explained_variance(batch["values"], batch["returns"], mask)
+        if self.overlong_buffer_len:
+            penalty = batch["shaped_scores"] - batch["scores"].float()
+            out["reward/overlong_penalty/mean"] = float(penalty.mean())
+            out["reward/overlong_penalty/ratio"] = float((penalty < 0).float().mean())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl_ctrl.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "kl_coef" in state:
+            self.kl_ctrl.value = float(state["kl_coef"])
+
+
+def make_builder(options_cls: type[AlgorithmOptions]
+                 ) -> Callable[[AlgorithmOptions | None, BuildContext], PolicyGradient]:
+    """``factory(options, ctx)`` for an algorithm module whose defaults are ``options_cls``'s."""
+
+    def build(options: AlgorithmOptions | None, ctx: BuildContext) -> PolicyGradient:
+        return PolicyGradient(options or options_cls(), ctx)
+
+    return build

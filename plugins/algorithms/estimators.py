@@ -1,0 +1,104 @@
+"""The built-in advantage estimators, registered as ``kind="advantage"`` components.
+
+Every estimator has the same signature, ``fn(inputs: EstimatorInputs) -> (advantages, returns)``
+with both (B, R) and 0 at padding (see :class:`rlx.protocols.EstimatorInputs`), and is picked by
+name with ``algorithm.adv_estimator=NAME``. A third-party plugin adds one the same way::
+
+    from rlx import Component, hookimpl
+    from rlx.protocols import EstimatorInputs, advantage_estimator
+
+    @advantage_estimator(requires=[])          # or ["values"] for a critic, ["baseline_scores"]
+    def sign(inputs: EstimatorInputs):
+        adv = inputs.scores.sign()[:, None] * inputs.response_mask
+        return adv, adv
+
+    @hookimpl
+    def rlx_advantage_estimators():
+        return [Component(kind="advantage", name="sign", factory=sign, summary="+1 / -1 per response")]
+
+The math lives in :mod:`rlx.plugins.algorithms.functional` (unit-tested on hand-computed values);
+this module only adapts it to the common signature, and imports torch only when an estimator runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlx import Component, hookimpl
+from rlx.protocols import EstimatorInputs, advantage_estimator
+
+if TYPE_CHECKING:
+    import torch
+
+Pair = tuple["torch.Tensor", "torch.Tensor"]
+
+
+@advantage_estimator()
+def grpo(inputs: EstimatorInputs) -> Pair:
+    """A_i = (s_i - mean_group) / (std_group + eps); without the division if norm_adv_by_std=false."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.grpo_advantages(inputs.scores, inputs.group_index, inputs.response_mask,
+                             norm_by_std=inputs.norm_adv_by_std)
+
+
+@advantage_estimator()
+def rloo(inputs: EstimatorInputs) -> Pair:
+    """A_i = s_i - mean of the other samples of the group."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.rloo_advantages(inputs.scores, inputs.group_index, inputs.response_mask)
+
+
+@advantage_estimator()
+def reinforce_plus_plus(inputs: EstimatorInputs) -> Pair:
+    """Discounted reward-to-go of the token-level rewards, whitened over the batch."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.reinforce_plus_plus_advantages(inputs.token_level_rewards, inputs.response_mask, gamma=inputs.gamma)
+
+
+@advantage_estimator()
+def reinforce_plus_plus_baseline(inputs: EstimatorInputs) -> Pair:
+    """s_i - mean_group, whitened over the batch."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.reinforce_plus_plus_baseline_advantages(inputs.scores, inputs.group_index, inputs.response_mask)
+
+
+@advantage_estimator(requires=["baseline_scores"])
+def remax(inputs: EstimatorInputs) -> Pair:
+    """s_i - b_i, with b_i the score of the greedy response to the same prompt."""
+    from rlx.plugins.algorithms import functional as F
+
+    if inputs.baseline_scores is None:
+        raise RuntimeError("the remax estimator needs baseline_scores (greedy-response scores)")
+    return F.remax_advantages(inputs.scores, inputs.baseline_scores, inputs.response_mask)
+
+
+@advantage_estimator(requires=["values"])
+def gae(inputs: EstimatorInputs) -> Pair:
+    """Generalised advantage estimation with the critic's values (gamma, lam), whitened over the batch."""
+    from rlx.plugins.algorithms import functional as F
+
+    if inputs.values is None:
+        raise RuntimeError("the gae estimator needs the critic's values")
+    return F.gae_advantages(inputs.token_level_rewards, inputs.values, inputs.response_mask,
+                            gamma=inputs.gamma, lam=inputs.lam)
+
+
+BUILTIN = {
+    "grpo": (grpo, "Group-normalised outcome advantages (Dr. GRPO with norm_adv_by_std=false)."),
+    "rloo": (rloo, "Leave-one-out baseline: the mean of the other samples of the prompt."),
+    "reinforce_plus_plus": (reinforce_plus_plus, "Discounted returns whitened over the batch."),
+    "reinforce_plus_plus_baseline": (reinforce_plus_plus_baseline,
+                                     "Group-mean baseline, then whitened over the batch."),
+    "remax": (remax, "Baseline: the score of a greedy response to the same prompt."),
+    "gae": (gae, "Generalised advantage estimation with a critic (gamma, lam)."),
+}
+
+
+@hookimpl
+def rlx_advantage_estimators() -> list[Component]:
+    return [Component(kind="advantage", name=name, factory=fn, summary=summary)
+            for name, (fn, summary) in BUILTIN.items()]
