@@ -13,6 +13,9 @@ from typing import Annotated, Any
 import typer
 
 from rlx import __version__
+from rlx.cli import data as data_cli
+from rlx.cli import eval as eval_cli
+from rlx.cli import scaffold
 from rlx.errors import UserError
 
 app = typer.Typer(name="rlx", help="Reinforcement-learning post-training (PPO, GRPO) for Hugging Face LLMs.",
@@ -21,6 +24,9 @@ plugins_app = typer.Typer(help="List and inspect plugins.", no_args_is_help=True
 config_app = typer.Typer(help="Show or check the resolved configuration.", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
+app.add_typer(data_cli.app, name="data")
+app.command("eval")(eval_cli.eval_command)
+plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
 
@@ -103,10 +109,10 @@ def plugins_show(name: Annotated[str, typer.Argument(help="Component name, e.g. 
         section = {"logger": f"loggers.{comp.name}"}.get(comp.kind, comp.kind)
         typer.echo(f"  options (set as {section}.KEY=VALUE):")
         for fname, field in model.model_fields.items():
-            default = field.get_default(call_default_factory=True)
             ann = field.annotation
             ann = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
-            typer.echo(f"    {fname}: {ann} = {default!r}")
+            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            typer.echo(f"    {fname}: {ann} = {default}")
             if field.description:
                 typer.echo(f"        {field.description}")
 

@@ -76,6 +76,27 @@ class ActorConfig(_Section):
     shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
 
 
+class CriticOptimConfig(OptimConfig):
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the critic.")
+
+
+class CriticConfig(_Section):
+    """The value model; built only when the algorithm needs one (``ppo``, or ``adv_estimator=gae``)."""
+
+    model_path: str | None = Field(
+        None, description="Checkpoint of the value model; defaults to model.path (a fresh value head on it).")
+    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig,
+                                     description="The critic's own optimizer (lr default 1e-5).")
+    micro_batch_size_per_device: int = Field(
+        4, gt=0, description="Sequences per forward/backward pass; gradients accumulate over them.")
+    forward_micro_batch_size_per_device: int = Field(
+        16, gt=0, description="Sequences per forward pass when computing values (no gradients).")
+    ppo_epochs: int | None = Field(None, gt=0, description="Passes over each step's rollouts (default actor's).")
+    cliprange_value: float | None = Field(
+        0.5, gt=0, description="Clip new values to old +- this in the value loss (null: no clipping).")
+    warmup_steps: int = Field(0, ge=0, description="First steps in which only the critic trains (the actor waits).")
+
+
 class ComponentSection(BaseModel):
     """A section that names a plugin. Keys other than ``name`` are the plugin's own options."""
 
@@ -110,6 +131,19 @@ class AlgorithmConfig(ComponentSection):
 
 class RewardConfig(ComponentSection):
     name: str = Field("gsm8k", description="Reward plugin.")
+    # How the reward plugin is run (rlx.reward_runner); the plugin's own options are the other keys.
+    on_error: Literal["fail", "zero"] = Field(
+        "fail", description="A reward call that raises, hangs, returns NaN or the wrong number of scores: "
+        "'fail' stops the run with a message naming the plugin and the response; 'zero' gives those "
+        "responses failure_score and counts them in the reward/failed metrics.")
+    failure_score: float = Field(0.0, description="Score of a response whose reward failed (on_error=zero).")
+    timeout_s: float = Field(300.0, ge=0, description="Most seconds one reward call may take (0: no limit).")
+    num_workers: int = Field(1, ge=1, description="Reward calls run at the same time (threads or processes).")
+    chunk_size: int = Field(
+        0, ge=0, description="Responses per reward call (0: the batch split evenly over num_workers).")
+    executor: Literal["thread", "process"] = Field(
+        "thread", description="'thread': calls run in threads (reward models, I/O); 'process': each call in "
+        "a forked process that is killed when it times out (CPU-heavy rule rewards; Linux/macOS).")
 
 
 class TrainerConfig(_Section):
@@ -143,6 +177,7 @@ class RLXConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

@@ -61,7 +61,7 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
             problems.append(f"{path}: {kind} {name!r} takes no options; got {', '.join(sorted(given))}")
         return None
     try:
-        return model.model_validate(given)
+        options = model.model_validate(given, context={"plugins": pm})
     except ValidationError as exc:
         for p in format_validation_error(exc, model, prefix=path):
             if ": unknown key." in p:  # suggest among the core keys of the section too
@@ -71,6 +71,11 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
                      f"Valid keys: {', '.join(names)}")
             problems.append(p)
         return None
+    # Options that name other components (an algorithm's adv_estimator) check those names here.
+    check = getattr(options, "plugin_problems", None)
+    if callable(check):
+        problems.extend(f"{path}.{p}" for p in check(pm))
+    return options
 
 
 @dataclass

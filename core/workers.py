@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rlx.batch import Batch
-from rlx.protocols import RewardBatch, RewardFn, RewardOutput
+from rlx.protocols import RewardBatch, RewardFn
+from rlx.reward_runner import RewardPolicy, RewardRunner
 
 
 class RewardWorker:
-    """Decodes responses and scores them with a reward function; one score per response."""
+    """Decodes responses and scores them with a reward function; one score per response.
 
-    def __init__(self, reward_fn: RewardFn, tokenizer: Any, name: str) -> None:
+    The function runs under a :class:`rlx.reward_runner.RewardPolicy` (``settings``: the ``reward``
+    config section or a policy): in parallel, with a time limit per call, and with failed responses
+    either stopping the run or scoring ``failure_score``. Besides ``scores`` and the plugin's
+    ``reward_extra/<key>`` columns, every batch gets ``reward_extra/failed`` and
+    ``reward_extra/failed/<kind>`` (0/1 per response), logged as the ``reward/failed*`` fractions,
+    and ``meta["reward_failures"]`` listing each failed response (index, kind, message).
+    """
+
+    def __init__(self, reward_fn: RewardFn, tokenizer: Any, name: str, settings: Any = None) -> None:
         self.reward_fn, self.tokenizer, self.name = reward_fn, tokenizer, name
+        self.runner = RewardRunner(reward_fn, name, RewardPolicy.from_config(settings))
 
     def score(self, batch: Batch) -> Batch:
         import torch
@@ -30,15 +39,9 @@ class RewardWorker:
             extra_infos=list(batch["extra_info"]),
             response_lengths=[int(n) for n in lengths],
         )
-        result = self.reward_fn(rb)
-        out = result if isinstance(result, RewardOutput) else RewardOutput(list(result))
-        if len(out.scores) != len(rb):
-            raise RuntimeError(f"reward {self.name!r} returned {len(out.scores)} scores for {len(rb)} responses")
-        bad = [i for i, s in enumerate(out.scores) if not isinstance(s, (int, float)) or not math.isfinite(s)]
-        if bad:
-            raise RuntimeError(f"reward {self.name!r} returned a non-finite score for response {bad[0]}: "
-                               f"{out.scores[bad[0]]!r} (response text: {responses[bad[0]][:200]!r})")
+        out = self.runner.run(rb)
         tensors = {"scores": torch.tensor(out.scores, dtype=torch.float32)}
-        for key, values in out.extra.items():
+        for key, values in {**out.extra, **out.failure_columns()}.items():
             tensors[f"reward_extra/{key}"] = torch.tensor(values, dtype=torch.float32)
-        return Batch(tensors, {"response_text": responses})
+        failures = [{"index": f.index, "kind": f.kind, "message": f.message} for f in out.failures]
+        return Batch(tensors, {"response_text": responses}, {"reward_failures": failures})

@@ -1,0 +1,183 @@
+"""``rlx data``: prepare, validate and inspect prompt files. Heavy libraries load inside the commands."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rlx.errors import UserError
+
+app = typer.Typer(help="Prepare, validate and inspect training data (parquet in verl's row shape).",
+                  no_args_is_help=True)
+
+
+@app.command("prepare")
+def prepare(
+    name: Annotated[str, typer.Argument(help="Data set: gsm8k or math.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for <split>.parquet.")],
+    source: Annotated[list[str] | None, typer.Option(
+        "--source", help="Local copy in the original layout instead of the hub: FILE, SPLIT=FILE or a folder "
+                         "(JSONL, JSON or parquet; the split comes from the file name). Repeatable.")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", help="Hub id to read instead of the default (e.g. HuggingFaceH4/MATH-500).")] = None,
+    instruction: Annotated[str | None, typer.Option(
+        "--instruction", help="Text appended to every question (default: how to give the final answer).")] = None,
+    data_source: Annotated[str | None, typer.Option(
+        "--data-source", help="The rows' data_source (default: the data set's hub id).")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many rows per split.")] = None,
+) -> None:
+    """Write train/test parquet files for GSM8K (answer after ####) or a boxed-answer math set."""
+    from rlx.datasets import prepare as run
+
+    reports = run(name, out, sources=source, hub_path=dataset, instruction=instruction, data_source=data_source,
+                  limit=limit)
+    for r in reports:
+        skipped = f" ({r.skipped} skipped: no usable answer)" if r.skipped else ""
+        typer.echo(f"{r.split}: {r.written} rows -> {r.path}{skipped}")
+    files = {r.split: r.path for r in reports}
+    train, val = files.get("train"), files.get("test") or files.get("validation")
+    if train is not None:
+        hint = f"data.train_files={train}" + (f" data.val_files={val}" if val else "")
+        typer.echo(f"Train with: rlx train --reward {'gsm8k' if name == 'gsm8k' else 'math'} {hint}")
+
+
+def _read(file: str) -> list[Any]:
+    from rlx.data import read_rows
+
+    path = Path(os.path.expanduser(file))
+    if not path.is_file():
+        raise UserError(f"{file}: no such file.")
+    return read_rows([str(path)])
+
+
+@app.command("validate")
+def validate(
+    files: Annotated[list[str], typer.Argument(help="Parquet files to check.")],
+    prompt_key: Annotated[str, typer.Option("--prompt-key", help="Column of the chat messages.")] = "prompt",
+) -> None:
+    """Report every row that training could not use (index and reason); exit status 2 if there is one."""
+    from rlx.data import row_problems
+
+    bad_total = rows_total = 0
+    for file in files:
+        rows = _read(file)
+        bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
+        rows_total += len(rows)
+        bad_total += len(bad)
+        for i, problems in bad:
+            typer.echo(f"{file}: row {i}: {'; '.join(problems)}")
+        if not rows:
+            typer.echo(f"{file}: no rows")
+            bad_total += 1
+        elif not bad:
+            typer.echo(f"{file}: {len(rows)} rows, all usable")
+    if bad_total:
+        raise UserError(f"{bad_total} of {rows_total} rows are not usable (listed above).",
+                        "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
+                        "`rlx data prepare` writes files in this shape.")
+
+
+def _percentile(sorted_values: list[int], q: float) -> int:
+    if not sorted_values:
+        return 0
+    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def _histogram(values: list[int], bins: int = 10, width: int = 40) -> list[str]:
+    lo, hi = min(values), max(values)
+    step = max(1, -(-(hi - lo + 1) // bins))
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[(v - lo) // step] = counts.get((v - lo) // step, 0) + 1
+    top = max(counts.values())
+    lines = []
+    for b in range((hi - lo) // step + 1):
+        c = counts.get(b, 0)
+        lines.append(f"  {lo + b * step:>7}-{lo + (b + 1) * step - 1:<7} {c:>7}  {'#' * round(width * c / top)}")
+    return lines
+
+
+@app.command("inspect")
+def inspect(
+    file: Annotated[str, typer.Argument(help="Parquet file.")],
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Tokenizer (model folder or hub id) for lengths in tokens, with its chat template.")]
+    = None,
+    rows: Annotated[int, typer.Option("--rows", "-n", min=0, help="Rows to show.")] = 3,
+    max_prompt_length: Annotated[int | None, typer.Option(
+        "--max-prompt-length", help="Also count the prompts longer than this (data.max_prompt_length).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON.")] = False,
+) -> None:
+    """Show a few rows, the data sources, and the distribution of prompt lengths (tokens with --tokenizer)."""
+    from rlx.data import resolve_path, row_problems
+
+    data = _read(file)
+    tok = None
+    if tokenizer is not None:
+        from rlx.cli.main import _quiet_libraries
+
+        _quiet_libraries()
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(resolve_path(tokenizer))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--tokenizer {tokenizer}: cannot load a tokenizer: {exc}",
+                            "Give a local model folder or a hub id available offline.") from None
+    lengths: list[int] = []
+    sources: dict[str, int] = {}
+    unusable = 0
+    for row in data:
+        if row_problems(row):
+            unusable += 1
+            continue
+        sources[row["data_source"]] = sources.get(row["data_source"], 0) + 1
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if tok is not None:
+            if tok.chat_template is not None:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            else:  # no template: the messages' text alone
+                text = "\n".join(m["content"] for m in messages)
+            lengths.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+        else:
+            lengths.append(sum(len(m["content"]) for m in messages))
+    unit = "tokens" if tok is not None else "characters"
+    ordered = sorted(lengths)
+    stats: dict[str, Any] = {"file": file, "rows": len(data), "unusable_rows": unusable, "data_sources": sources,
+                             "length_unit": unit}
+    if ordered:
+        stats["prompt_length"] = {"min": ordered[0], "mean": round(sum(ordered) / len(ordered), 1),
+                                  "p50": _percentile(ordered, 50), "p90": _percentile(ordered, 90),
+                                  "p99": _percentile(ordered, 99), "max": ordered[-1]}
+    if max_prompt_length is not None:
+        stats["over_max_prompt_length"] = sum(n > max_prompt_length for n in lengths)
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2))
+        return
+    typer.echo(f"{file}: {len(data)} rows" + (f" ({unusable} not usable; see `rlx data validate`)" if unusable else ""))
+    for src, count in sorted(sources.items(), key=lambda kv: -kv[1]):
+        typer.echo(f"  data_source {src}: {count}")
+    for i, row in enumerate(data[:rows]):
+        typer.echo(f"\n--- row {i}")
+        for key, value in row.items():
+            text = json.dumps(value, ensure_ascii=False, default=str)
+            typer.echo(f"  {key}: {text if len(text) <= 300 else text[:297] + '...'}")
+    if ordered:
+        s = stats["prompt_length"]
+        if tok is None:
+            typer.echo("\nPrompt length in characters (pass --tokenizer PATH for tokens)")
+        else:
+            how = "chat template applied" if tok.chat_template is not None else "the tokenizer has no chat template"
+            typer.echo(f"\nPrompt length in tokens ({how})")
+        typer.echo(f"  min {s['min']}  mean {s['mean']}  p50 {s['p50']}  p90 {s['p90']}  p99 {s['p99']}  "
+                   f"max {s['max']}")
+        typer.echo("\n".join(_histogram(ordered)))
+    if max_prompt_length is not None:
+        typer.echo(f"  {stats['over_max_prompt_length']} prompts are longer than {max_prompt_length} {unit} "
+                   "(dropped by data.max_prompt_length when filter_overlong_prompts is on)")

@@ -1,0 +1,144 @@
+"""``rlx eval``: accuracy, mean@n, pass@k and majority@n of a model on prompt files, per data source."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rlx.errors import UserError
+
+
+def eval_command(
+    model: Annotated[str, typer.Option("--model", help="Model folder or hub id (or builtin:tiny-qwen2).")],
+    data: Annotated[list[str], typer.Option("--data", help="Parquet file of prompts (verl's row shape). "
+                                                            "Repeatable.")],
+    reward: Annotated[str | None, typer.Option(
+        "--reward", help="Reward plugin (default: router, which picks one per data_source).")] = None,
+    n: Annotated[int, typer.Option("--n", min=1, help="Responses sampled per prompt.")] = 1,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Sampling temperature "
+                                                                              "(0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", min=1, help="Most tokens per response (default: data.max_response_length).")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", min=1, help="Prompts per generate call (default: data.val_batch_size).")] = None,
+    k: Annotated[list[int] | None, typer.Option("--k", min=1, help="pass@k for these k (default: 1, 2, 4, ... "
+                                                                     "up to n). Repeatable.")] = None,
+    threshold: Annotated[float, typer.Option(
+        "--threshold", help="Score that counts as correct, for rewards that do not report */correct.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON instead of a table.")] = False,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write the results as JSON here.")]
+    = None,
+    samples: Annotated[str | None, typer.Option("--samples", help="Write every response with its score and "
+                                                                   "answer here (JSONL).")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help="YAML config (model, data, rollout, "
+                                                                      "reward sections).")] = None,
+    preset: Annotated[str | None, typer.Option("--preset", help="Built-in preset (e.g. tiny).")] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="Dotted overrides, e.g. reward.on_error=zero data.max_prompt_length=1024", show_default=False)] = None,
+) -> None:
+    """Evaluate a model: accuracy, mean@n, pass@k and majority@n per data source, as a table and as JSON."""
+    from rlx.cli.main import _pm, _quiet_libraries
+    from rlx.config import build_raw, set_dotted
+    from rlx.validate import resolve
+
+    for ref in data:
+        if not ref.startswith("builtin:") and not Path(os.path.expanduser(ref)).is_file():
+            raise UserError(f"--data {ref}: no such file.")
+    raw = build_raw(preset=preset, config_file=config, shortcuts={"model": model, "reward": reward},
+                    overrides=list(overrides or []))
+    set_dotted(raw, "data.train_files", list(data))  # unused, but a run config needs training data
+    set_dotted(raw, "data.val_files", list(data))
+    set_dotted(raw, "rollout.val_n", n)
+    set_dotted(raw, "rollout.val_temperature", temperature)
+    set_dotted(raw, "rollout.top_p", top_p)
+    if reward is None and "name" not in (raw.get("reward") or {}):
+        set_dotted(raw, "reward.name", "router")
+    if max_tokens is not None:
+        set_dotted(raw, "data.max_response_length", max_tokens)
+    if batch_size is not None:
+        set_dotted(raw, "data.val_batch_size", batch_size)
+    pm = _pm()
+    resolved = resolve(raw, pm)
+    if n > 1 and temperature == 0:
+        typer.echo("Note: --temperature 0 is greedy decoding; all n responses of a prompt will be the same.",
+                   err=True)
+    _quiet_libraries()
+    result, records = run_eval(resolved, pm, ks=k, threshold=threshold)
+    if output:
+        Path(os.path.expanduser(output)).write_text(json.dumps(result, indent=2) + "\n")
+    if samples:
+        with open(os.path.expanduser(samples), "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r.as_dict(), ensure_ascii=False, default=str) + "\n")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+
+
+def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) -> tuple[dict[str, Any], list[Any]]:
+    """Generate and score the validation files of a resolved config; the results and every record."""
+    from rlx.context import BuildContext
+    from rlx.data import load_prompts, resolve_path
+    from rlx.evaluation import default_ks, evaluate, summarize
+    from rlx.protocols import RunInfo, SamplingParams
+    from rlx.trainer import load_tokenizer
+    from rlx.workers import RewardWorker
+
+    cfg = resolved.config
+    tok = load_tokenizer(resolve_path(cfg.model.tokenizer_path or cfg.model.path), cfg.model.trust_remote_code)
+    d = cfg.data
+    dataset = load_prompts(d.val_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                           filter_overlong=d.filter_overlong_prompts, source_key="--data")
+    ctx = BuildContext(cfg, RunInfo("", cfg.trainer.project, "eval", resolved.as_dict()), pm, tok)
+    rollout = pm.get("rollout", cfg.rollout.name).load_factory()(resolved.options.get("rollout"), ctx)
+    reward_fn = pm.get("reward", cfg.reward.name).load_factory()(resolved.options.get("reward"), ctx)
+    worker = RewardWorker(reward_fn, tok, cfg.reward.name, cfg.reward)
+    r = cfg.rollout
+    params = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_tokens=d.max_response_length, greedy=r.val_temperature == 0)
+
+    def progress(done: int, total: int) -> None:
+        print(f"evaluated {done}/{total} prompts", file=sys.stderr, flush=True)
+
+    try:
+        records = evaluate(dataset.examples, generate=rollout.generate, score=worker.score, params=params,
+                           batch_size=d.val_batch_size, pad_token_id=tok.pad_token_id, threshold=threshold,
+                           progress=progress)
+    finally:
+        close = getattr(rollout, "close", None)
+        if close is not None:
+            close()
+    ks = [x for x in (ks or default_ks(r.val_n)) if x <= r.val_n]
+    return {
+        "model": cfg.model.path, "data": list(d.val_files), "reward": cfg.reward.name, "n": r.val_n,
+        "temperature": r.val_temperature, "max_tokens": d.max_response_length,
+        "dropped_overlong_prompts": dataset.dropped_overlong, "k": ks,
+        "metrics": summarize(records, ks),
+    }, records
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    n = result["n"]
+    metrics: dict[str, dict[str, float]] = result["metrics"]
+    columns = ["acc", f"mean@{n}", *[f"pass@{k}" for k in result["k"]], f"maj@{n}"]
+    table = Table(title=f"{result['model']}  (n={n}, temperature={result['temperature']:g}, "
+                        f"reward={result['reward']})")
+    table.add_column("data_source")
+    table.add_column("prompts", justify="right")
+    for c in columns:
+        table.add_column(c, justify="right")
+    for src, m in metrics.items():
+        table.add_row(src, str(int(m["prompts"])), *[f"{m[c]:.4f}" if c in m else "-" for c in columns])
+    Console().print(table)
+    if result["dropped_overlong_prompts"]:
+        typer.echo(f"{result['dropped_overlong_prompts']} prompts longer than data.max_prompt_length were left out.")

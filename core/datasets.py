@@ -1,0 +1,241 @@
+"""Preparing training data: public math sets turned into parquet files in verl's row shape.
+
+``rlx data prepare gsm8k --out DIR`` reads ``openai/gsm8k`` (config ``main``) through the ``datasets``
+library, or a local copy in the original layout with ``--source`` (JSONL, JSON or parquet files with
+``question`` and ``answer``, the answer ending in ``#### N``), and writes ``DIR/train.parquet`` and
+``DIR/test.parquet``. Each row::
+
+    {"prompt": [{"role": "user", "content": QUESTION + " " + INSTRUCTION}],
+     "data_source": "openai/gsm8k", "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0, "question": QUESTION, "answer": FULL_SOLUTION}}
+
+``rlx data prepare math`` does the same for boxed-answer sets (default
+``DigitalLearningGmbH/MATH-lighteval``; ``--dataset HuggingFaceH4/MATH-500`` and similar work too):
+the question is ``problem`` (or ``question``), the ground truth the ``answer`` column when there is
+one, else the last ``\\boxed{}`` of ``solution``. Rows without a usable answer are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import UserError, require
+
+GSM8K_INSTRUCTION = ('Think it through step by step, then write "####" followed by the final answer '
+                     '(a number) on the last line.')
+MATH_INSTRUCTION = "Think it through step by step, and put the final answer in \\boxed{}."
+SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
+SPLIT_WORDS = {"train": "train", "test": "test", "validation": "validation", "valid": "validation",
+               "val": "validation", "dev": "validation"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one public data set becomes rlx rows."""
+
+    name: str
+    hub_path: str
+    hub_config: str | None
+    data_source: str
+    instruction: str
+    convert: Callable[[dict[str, Any]], tuple[str, str, dict[str, Any]] | None]  # -> question, truth, extra
+
+
+def gsm8k_answer(solution: str) -> str | None:
+    """The number after the last ``####`` of a GSM8K solution, without thousands separators."""
+    if not isinstance(solution, str) or "####" not in solution:
+        return None
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "")
+    return answer or None
+
+
+def _gsm8k(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
+    question, solution = raw.get("question"), raw.get("answer")
+    truth = gsm8k_answer(solution) if isinstance(solution, str) else None
+    if not isinstance(question, str) or not question.strip() or truth is None:
+        return None
+    return question.strip(), truth, {"question": question, "answer": solution}
+
+
+def _math(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
+    from rlx.plugins.rewards.math import last_boxed
+
+    question = raw.get("problem", raw.get("question"))
+    truth = raw.get("answer")
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+        solution = raw.get("solution")
+        truth = last_boxed(solution) if isinstance(solution, str) else None
+    if not isinstance(question, str) or not question.strip() or truth is None or not str(truth).strip():
+        return None
+    extra = {"question": question, "answer": raw.get("solution", str(truth))}
+    for key in ("level", "type", "subject", "unique_id"):
+        if raw.get(key) is not None:
+            extra[key] = raw[key]
+    return question.strip(), str(truth).strip(), extra
+
+
+RECIPES = {
+    "gsm8k": Recipe("gsm8k", "openai/gsm8k", "main", "openai/gsm8k", GSM8K_INSTRUCTION, _gsm8k),
+    "math": Recipe("math", "DigitalLearningGmbH/MATH-lighteval", None, "DigitalLearningGmbH/MATH-lighteval",
+                   MATH_INSTRUCTION, _math),
+}
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL, JSON (a list, or ``{"data": [...]}``) or parquet file."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".jsonl":
+            rows = []
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise UserError(f"{path}: line {lineno} is not valid JSON: {exc.msg}") from None
+            return rows
+        data = json.loads(text)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"Cannot read {path}: {type(exc).__name__}: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a list of records, got {type(data).__name__}")
+    return data
+
+
+def split_of(path: Path) -> str | None:
+    """``train``/``test``/``validation`` from a file name such as ``train-00000-of-00001.parquet``."""
+    for word in re.split(r"[^a-z]+", path.name.lower()):
+        if word in SPLIT_WORDS:
+            return SPLIT_WORDS[word]
+    return None
+
+
+def read_sources(sources: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Records per split from ``--source`` arguments: ``FILE``, ``SPLIT=FILE`` or a folder of files."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in sources:
+        split, eq, ref = spec.partition("=")
+        if not eq or os.sep in split or not split:
+            split, ref = "", spec
+        path = Path(os.path.expanduser(ref))
+        if not path.exists():
+            raise UserError(f"--source {spec}: no such file or folder.")
+        files = sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES) if path.is_dir() else [path]
+        if not files:
+            raise UserError(f"--source {spec}: no {', '.join(SOURCE_SUFFIXES)} files in the folder.")
+        for f in files:
+            if f.suffix not in SOURCE_SUFFIXES:
+                raise UserError(f"--source {spec}: {f.name} is not a {', '.join(SOURCE_SUFFIXES)} file.")
+            name = split or split_of(f)
+            if name is None:
+                raise UserError(f"--source {spec}: cannot tell the split of {f.name} from its name.",
+                                f"Name the split: --source train={ref} (or test=...).")
+            out.setdefault(name, []).extend(read_records(f))
+    return out
+
+
+def read_hub(recipe: Recipe, hub_path: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every split of the data set on the Hugging Face hub (through the ``datasets`` library)."""
+    datasets = require("datasets", "data", f"rlx data prepare {recipe.name} (downloading from the hub)")
+    path = hub_path or recipe.hub_path
+    config = recipe.hub_config if path == recipe.hub_path else None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        loaded = datasets.load_dataset(path, config) if config else datasets.load_dataset(path)
+    except Exception as exc:
+        raise UserError(f"Cannot load {path!r} from the Hugging Face hub: {type(exc).__name__}: {exc}",
+                        "Without network access, copy the data set's files (JSONL or parquet) here and pass "
+                        "--source FILE_OR_FOLDER.") from None
+    return {str(split): [dict(r) for r in ds] for split, ds in loaded.items()}
+
+
+# -- writing ------------------------------------------------------------------------------------
+def make_row(question: str, truth: str, extra: dict[str, Any], *, split: str, index: int, data_source: str,
+             instruction: str) -> dict[str, Any]:
+    content = f"{question} {instruction}".strip() if instruction else question
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": data_source,
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split, "index": index, **extra},
+    }
+
+
+def write_parquet(rows: list[dict[str, Any]], target: Path) -> None:
+    """Write atomically: a temporary file in the same folder, then a rename."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class SplitReport:
+    split: str
+    path: Path
+    written: int
+    skipped: int
+
+
+def prepare(name: str, out_dir: str, *, sources: list[str] | None = None, hub_path: str | None = None,
+            instruction: str | None = None, data_source: str | None = None,
+            limit: int | None = None) -> list[SplitReport]:
+    """Write ``out_dir/<split>.parquet`` for every split of data set ``name``; see the module docstring."""
+    if name not in RECIPES:
+        from rlx.errors import did_you_mean
+
+        raise UserError(f"No data set recipe named {name!r}.{did_you_mean(name, list(RECIPES))} "
+                        f"Recipes: {', '.join(RECIPES)}.")
+    recipe = RECIPES[name]
+    raw = read_sources(sources) if sources else read_hub(recipe, hub_path)
+    # A hub id names the rows' source; a local folder given as --dataset is a copy of the recipe's set.
+    is_hub_id = hub_path is not None and not Path(os.path.expanduser(hub_path)).exists()
+    source = data_source or (hub_path if is_hub_id else recipe.data_source)
+    text = recipe.instruction if instruction is None else instruction
+    reports = []
+    for split, records in sorted(raw.items()):
+        rows, skipped = [], 0
+        for record in records:
+            converted = recipe.convert(record) if isinstance(record, dict) else None
+            if converted is None:
+                skipped += 1
+                continue
+            question, truth, extra = converted
+            rows.append(make_row(question, truth, extra, split=split, index=len(rows), data_source=source,
+                                 instruction=text))
+            if limit is not None and len(rows) >= limit:
+                break
+        if not rows:
+            raise UserError(f"{name} {split}: none of the {len(records)} records has a usable question and answer.",
+                            "gsm8k needs 'question' and 'answer' ending in '#### N'; math needs 'problem' and "
+                            "'answer' or a 'solution' with \\boxed{}.")
+        target = Path(os.path.expanduser(out_dir)) / f"{split}.parquet"
+        write_parquet(rows, target)
+        reports.append(SplitReport(split, target, len(rows), skipped))
+    return reports
