@@ -428,6 +428,10 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         print(f"Resuming from {path} (step {self.step}).")
+        if self.step >= self.total_steps:
+            print(f"That run already finished (trainer.total_steps={self.total_steps}): nothing left to train. "
+                  "Raise trainer.total_steps to train further, or choose another trainer.output_dir or "
+                  "trainer.experiment for a new run.")
 
     def save_hf(self, target: Path) -> None:
         """Write the final policy in Hugging Face format, atomically (temp folder, then rename)."""

@@ -8,7 +8,6 @@ threads and processes, a real tokenizer; end-to-end through ``rlx train`` at the
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import multiprocessing
@@ -326,15 +325,7 @@ def test_train_stops_with_a_message_naming_the_plugin_and_the_response(tmp_path)
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
 
 
-def _trainer_passes_reward_settings() -> bool:
-    from rlx.trainer import Trainer
-
-    return "cfg.reward)" in inspect.getsource(Trainer._build_roles)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _trainer_passes_reward_settings(),
-                    reason="Trainer._build_roles does not yet pass cfg.reward to RewardWorker")
 def test_train_continues_with_on_error_zero_and_counts_the_failures(tmp_path):
     proc, run_dir = train(tmp_path, "reward.on_error=zero", "reward.failure_score=0.0")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -87,6 +87,9 @@ def test_resume_without_checkpoint_and_overwrite_protection(tmp_path: Path) -> N
     assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
     assert "Traceback" not in missing.stderr
     assert rlx("train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={run}", cwd=tmp_path).returncode == 0
+    done = rlx("train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={run}", cwd=tmp_path)
+    assert done.returncode == 0 and "already finished" in done.stdout
+    assert len(metrics(run)) == 1, "a finished run is not trained again"
     again = rlx("train", *TINY, "trainer.total_steps=1", "trainer.resume=never", f"trainer.output_dir={run}",
                 cwd=tmp_path)
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr
