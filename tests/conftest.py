@@ -16,6 +16,25 @@ def rlx_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_model_path(rlx_cache: str) -> str:
+    """The built-in tiny Qwen2 model folder (written once per session)."""
+    from rlx import builtin
+
+    return builtin.resolve("builtin:tiny-qwen2")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: on the tiny model a second thread costs more than it gives."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 

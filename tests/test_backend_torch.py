@@ -6,13 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
 
 import pytest
 import torch
 
-from rlx import builtin
 from rlx.batch import Batch
 from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, lr_lambda
@@ -24,20 +22,9 @@ PROMPT_LENGTHS = [5, 9, 3, 7, 9, 4, 6, 8]
 RESPONSE_LENGTHS = [6, 1, 4, 6, 2, 5, 3, 6]  # ragged; every micro-batch of 2 has its own token count
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    """The built-in tiny model written to a private cache; one torch thread keeps the tiny model fast."""
-    old_cache, old_threads = os.environ.get("RLX_CACHE"), torch.get_num_threads()
-    os.environ["RLX_CACHE"] = str(tmp_path_factory.mktemp("rlx_cache"))
-    torch.set_num_threads(1)
-    try:
-        yield builtin.resolve("builtin:tiny-qwen2")
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cache is None:
-            os.environ.pop("RLX_CACHE", None)
-        else:
-            os.environ["RLX_CACHE"] = old_cache
+@pytest.fixture
+def model_path(tiny_model_path, one_thread):
+    return tiny_model_path
 
 
 def make_worker(path: str, trainable: bool = True, **spec) -> TorchWorker:

@@ -3,15 +3,12 @@ prompt loader and left-padded collation."""
 
 from __future__ import annotations
 
-import os
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlx import builtin
 from rlx.data import (
     PromptDataset,
     PromptExample,
@@ -25,17 +22,9 @@ from rlx.errors import UserError
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    """The built-in tiny model's tokenizer, written to a private cache."""
-    old = os.environ.get("RLX_CACHE")
-    os.environ["RLX_CACHE"] = str(tmp_path_factory.mktemp("rlx_cache"))
-    try:
-        yield AutoTokenizer.from_pretrained(builtin.resolve("builtin:tiny-qwen2"))
-    finally:
-        if old is None:
-            os.environ.pop("RLX_CACHE", None)
-        else:
-            os.environ["RLX_CACHE"] = old
+def tok(tiny_model_path):
+    """The built-in tiny model's tokenizer."""
+    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def row(content: str = "What is 1+2?", i: int = 0, **overrides) -> dict:

@@ -4,14 +4,12 @@ log-probs consistent with the training forward pass, and weight updates."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlx import builtin
 from rlx.batch import Batch
 from rlx.data import PromptExample, collate
 from rlx.plugins.backends.torch_local import response_log_probs
@@ -22,20 +20,13 @@ TEXTS = ["What is 3+4?", "hi", "What is the sum 1+2+3+4+5, then minus 6?"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The built-in tiny model written to a private cache; one torch thread keeps the tiny model fast."""
-    old_cache, old_threads = os.environ.get("RLX_CACHE"), torch.get_num_threads()
-    os.environ["RLX_CACHE"] = str(tmp_path_factory.mktemp("rlx_cache"))
-    torch.set_num_threads(1)
-    try:
-        path = builtin.resolve("builtin:tiny-qwen2")
-        yield path, AutoTokenizer.from_pretrained(path)
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cache is None:
-            os.environ.pop("RLX_CACHE", None)
-        else:
-            os.environ["RLX_CACHE"] = old_cache
+def tiny(tiny_model_path):
+    return tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here runs the tiny model on one thread."""
 
 
 @pytest.fixture(scope="module")
