@@ -132,10 +132,11 @@ class TorchWorker:
         self.spec, self.options = spec, options
         self.device = pick_device(device)
         torch.manual_seed(spec.seed)
-        dtype = getattr(torch, spec.dtype)
-        # Trainable weights stay float32 on the CPU: bf16 AdamW on the CPU loses small updates.
-        if spec.trainable and self.device == "cpu":
-            dtype = torch.float32
+        # Mixed precision: a trainable role keeps float32 master weights (AdamW on bf16 weights loses
+        # small updates) and runs its forward passes under autocast in model.dtype on a GPU; a frozen
+        # role (the reference) is simply loaded in model.dtype.
+        self.compute_dtype = getattr(torch, spec.dtype)
+        dtype = torch.float32 if spec.trainable else self.compute_dtype
         if spec.value_head:
             self.model = load_value_model(spec, dtype, options.attn_implementation).to(self.device)
         else:
@@ -145,6 +146,7 @@ class TorchWorker:
             ).to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
+        self.autocast = spec.trainable and self.device != "cpu" and self.compute_dtype != torch.float32
         if spec.trainable:
             if spec.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable()
@@ -155,6 +157,16 @@ class TorchWorker:
         else:
             self.model.eval()
             self.model.requires_grad_(False)
+
+    def _precision(self) -> Any:
+        """Autocast to model.dtype around forward passes of a float32-master model on a GPU."""
+        import contextlib
+
+        import torch
+
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
 
     # -- inference --------------------------------------------------------------------------
     def compute_values(self, batch: Batch) -> Batch:
@@ -171,7 +183,8 @@ class TorchWorker:
         try:
             with torch.no_grad():
                 for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                    out.append(response_values(self.model, mb.to(self.device)).cpu())
+                    with self._precision():
+                        out.append(response_values(self.model, mb.to(self.device)).float().cpu())
         finally:
             self.model.train(was_training)
         return Batch({"values": torch.cat(out)})
@@ -191,7 +204,8 @@ class TorchWorker:
         try:
             with torch.no_grad():
                 for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                    lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
+                    with self._precision():
+                        lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
                     out_lp.append(lp.cpu())
                     if ent is not None:
                         out_ent.append(ent.cpu())
@@ -218,11 +232,12 @@ class TorchWorker:
         total_weight = 0.0
         for mb in batch.split(self.spec.micro_batch_size):
             mb = mb.to(self.device)
-            if self.spec.value_head:
-                outputs = {"values": response_values(self.model, mb)}
-            else:
-                log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
-                outputs = {"log_probs": log_probs, "entropy": entropy}
+            with self._precision():
+                if self.spec.value_head:
+                    outputs = {"values": response_values(self.model, mb).float()}
+                else:
+                    log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
+                    outputs = {"log_probs": log_probs, "entropy": entropy}
             loss, metrics = loss_fn(outputs, mb)
             loss.backward()
             weight = float(mb["response_mask"].sum())
