@@ -169,6 +169,26 @@ class TorchWorker:
         return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
 
     # -- inference --------------------------------------------------------------------------
+    def _forward_no_grad(self, batch: Batch, fn: Any) -> list[Any]:
+        """``fn(micro_batch)`` over the batch in micro-batches, without gradients, in eval mode.
+
+        Eval mode: a model configured with dropout must still score each token deterministically.
+        """
+        import torch
+
+        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
+        outputs = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
+                    with self._precision():
+                        outputs.append(fn(mb.to(self.device)))
+        finally:
+            self.model.train(was_training)
+        return outputs
+
     def compute_values(self, batch: Batch) -> Batch:
         """Critic values (B, R) of the states before each response token; 0 at padding."""
         import torch
@@ -176,17 +196,7 @@ class TorchWorker:
         from rlx.batch import Batch
 
         assert self.spec.value_head, f"role {self.spec.role} has no value head"
-        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
-        out = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                    with self._precision():
-                        out.append(response_values(self.model, mb.to(self.device)).float().cpu())
-        finally:
-            self.model.train(was_training)
+        out = self._forward_no_grad(batch, lambda mb: response_values(self.model, mb).float().cpu())
         return Batch({"values": torch.cat(out)})
 
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
@@ -196,24 +206,10 @@ class TorchWorker:
 
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
         temperature = float(batch.meta.get("temperature", 1.0))
-        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
-        out_lp, out_ent = [], []
-        # Eval mode: a model configured with dropout must still score each token deterministically.
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                    with self._precision():
-                        lp, ent = response_log_probs(self.model, mb.to(self.device), temperature, with_entropy)
-                    out_lp.append(lp.cpu())
-                    if ent is not None:
-                        out_ent.append(ent.cpu())
-        finally:
-            self.model.train(was_training)
-        tensors = {"log_probs": torch.cat(out_lp)}
+        out = self._forward_no_grad(batch, lambda mb: response_log_probs(self.model, mb, temperature, with_entropy))
+        tensors = {"log_probs": torch.cat([lp for lp, _ in out]).cpu()}
         if with_entropy:
-            tensors["entropy"] = torch.cat(out_ent)
+            tensors["entropy"] = torch.cat([ent for _, ent in out]).cpu()
         return Batch(tensors)
 
     # -- training ---------------------------------------------------------------------------
