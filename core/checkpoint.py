@@ -46,18 +46,30 @@ def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, 
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    if final.exists():  # saving the same step again: move the old one aside, then drop it
-        old = root / f".tmp-old-{PREFIX}{step}-{os.getpid()}"
+    replace_dir(tmp, final)
+    if keep:
+        for old_ckpt in list_complete(root)[:-keep]:
+            shutil.rmtree(old_ckpt, ignore_errors=True)
+    return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished folder ``tmp`` to ``final``, replacing what is there; each rename is atomic.
+
+    An existing ``final`` is first renamed aside (``.tmp-old-...``, removed afterwards, and by the next
+    save in the same folder if a kill came in between), so ``final`` always holds a complete folder.
+    """
+    parent = final.parent
+    for stale in parent.glob(f".tmp-old-{final.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():
+        old = parent / f".tmp-old-{final.name}-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
-    if keep:
-        for old_ckpt in list_complete(root)[:-keep]:
-            shutil.rmtree(old_ckpt, ignore_errors=True)
-    return final
+    _fsync_dir(parent)
 
 
 def list_complete(root: Path) -> list[Path]:

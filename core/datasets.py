@@ -65,7 +65,7 @@ def _gsm8k(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
 
 
 def _math(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
-    from rlx.plugins.rewards.math import last_boxed
+    from rlx.answers import last_boxed
 
     question = raw.get("problem", raw.get("question"))
     truth = raw.get("answer")

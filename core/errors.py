@@ -50,6 +50,15 @@ def require(module: str, extra: str, needed_for: str):
         raise MissingDependencyError(module.split(".")[0], extra, needed_for) from exc
 
 
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception, where it was raised; one line for a report."""
+    import traceback
+
+    tb = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" ({tb[0].filename}:{tb[0].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     """A ' Did you mean X?' suffix, or '' when nothing is close."""
     import difflib

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlx.answers import last_boxed
+
 if TYPE_CHECKING:
     from rlx.batch import Batch
     from rlx.data import PromptExample
@@ -86,18 +88,6 @@ def default_ks(n: int) -> list[int]:
 _NUMBER = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
-
-
 def _canonical_number(s: str) -> str:
     s = s.replace(",", "")
     if "." in s:
@@ -109,7 +99,7 @@ def extract_answer(text: str) -> str | None:
     """The response's final answer, normalised for voting; None if it has none."""
     if not isinstance(text, str):
         return None
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         answer = re.sub(r"\s+", "", boxed.replace("\\dfrac", "\\frac").replace("\\left", "").replace("\\right", ""))
         return _canonical_number(answer) if _NUMBER.fullmatch(answer) else (answer or None)

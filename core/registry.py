@@ -12,7 +12,6 @@ Rules (see docs/architecture.md):
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -22,7 +21,7 @@ import pluggy
 
 from rlx import hookspecs
 from rlx.components import KINDS, Component
-from rlx.errors import UserError, did_you_mean
+from rlx.errors import UserError, describe_exception, did_you_mean
 
 ENTRY_POINT_GROUP = "rlx"
 
@@ -90,7 +89,7 @@ class PluginManager:
                         "Fix or uninstall that plugin, or unset RLX_STRICT_PLUGINS to skip failing plugins.",
                     ) from exc
                 self.plugins.append(PluginRecord(ep.name, dist, ver, "failed",
-                                                 error=_short_error(exc)))
+                                                 error=describe_exception(exc)))
                 continue
             self._origin[id(plugin)] = (ep.name, dist, ver)
             self.plugins.append(PluginRecord(ep.name, dist, ver, "ok", hooks=self._hook_names(plugin)))
@@ -144,7 +143,7 @@ class PluginManager:
             raise UserError(f"Plugin {plugin_name!r} is broken: {exc}")
         for rec in self.plugins:
             if rec.name == plugin_name:
-                rec.status, rec.error = "failed", _short_error(exc)
+                rec.status, rec.error = "failed", describe_exception(exc)
 
     def names(self, kind: str) -> list[str]:
         return [name for (k, name) in self.components() if k == kind]
@@ -189,12 +188,6 @@ def _dist_of(ep: EntryPoint) -> tuple[str, str]:
     if dist is None:
         return "?", ""
     return dist.metadata["Name"] or "?", dist.version or ""
-
-
-def _short_error(exc: BaseException) -> str:
-    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" ({last[0].filename}:{last[0].lineno})" if last else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 _DEFAULT: PluginManager | None = None

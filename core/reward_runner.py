@@ -27,14 +27,13 @@ import numbers
 import queue
 import threading
 import time
-import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlx.errors import UserError
+from rlx.errors import UserError, describe_exception
 from rlx.protocols import RewardBatch, RewardOutput
 
 log = logging.getLogger("rlx.reward")
@@ -132,12 +131,6 @@ def _as_float(value: Any) -> float | None:
             return None
     out = float(value)
     return out if math.isfinite(out) else None
-
-
-def describe_exception(exc: BaseException) -> str:
-    tb = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" ({tb[0].filename}:{tb[0].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _child(fn: Callable[[RewardBatch], Any], job: RewardBatch, conn: Any) -> None:

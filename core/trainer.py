@@ -103,6 +103,7 @@ def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
 class Trainer:
     def __init__(self, resolved: Resolved, pm: PluginManager) -> None:
         self.resolved, self.cfg, self.pm = resolved, resolved.config, pm
+        self.config_dict = resolved.as_dict()  # with every plugin's defaults: config.yaml, loggers, hooks
         cfg = self.cfg
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -132,11 +133,12 @@ class Trainer:
         self.greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0, greedy=True)
 
         run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
-                      resolved.as_dict(), resumed=self.resume_from is not None)
+                      self.config_dict, resumed=self.resume_from is not None)
         self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
         self._build_roles()
         self.loggers = [self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers]
         self.step = 0
+        self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
 
     # -- set-up -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
@@ -205,8 +207,8 @@ class Trainer:
         if self.resume_from is not None:
             self._load(self.resume_from)
         self.launcher.transfer_weights(self.actor, self.rollout)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved.as_dict(), sort_keys=False))
-        self.pm.hook.rlx_on_train_start(config=self.resolved.as_dict(), output_dir=str(self.run_dir))
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+        self.pm.hook.rlx_on_train_start(config=self.config_dict, output_dir=str(self.run_dir))
         if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
             self._log(self.validate(), self.step)
         metrics: dict[str, float] = {}
@@ -222,8 +224,7 @@ class Trainer:
                 self.pm.hook.rlx_on_step_end(step=self.step, metrics=metrics)
                 if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
                     self.save()
-            if cfg.trainer.save_freq != 0 and (checkpoint.latest(self.ckpt_root) is None or
-                                               checkpoint.latest(self.ckpt_root).name != f"global_step_{self.step}"):
+            if cfg.trainer.save_freq != 0 and self.saved_step != self.step:
                 self.save()
             if cfg.trainer.save_hf_model:
                 self.save_hf(self.run_dir / "hf_model")
@@ -412,6 +413,7 @@ class Trainer:
         if hasattr(self.algorithm, "state_dict"):  # e.g. an adaptive KL coefficient
             state["algorithm"] = self.algorithm.state_dict()
         path = checkpoint.save(self.ckpt_root, self.step, write, state, keep=self.cfg.trainer.max_checkpoints_to_keep)
+        self.saved_step = self.step
         self.pm.hook.rlx_on_checkpoint(step=self.step, path=str(path))
         return path
 
@@ -426,7 +428,7 @@ class Trainer:
         if "algorithm" in state and hasattr(self.algorithm, "load_state_dict"):
             self.algorithm.load_state_dict(state["algorithm"])
         self.loader.load_state_dict(state["loader"])
-        self.step = int(state["step"])
+        self.step = self.saved_step = int(state["step"])
         print(f"Resuming from {path} (step {self.step}).")
         if self.step >= self.total_steps:
             print(f"That run already finished (trainer.total_steps={self.total_steps}): nothing left to train. "
@@ -438,8 +440,4 @@ class Trainer:
         tmp = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         self.actor.call_all("save_pretrained", str(tmp), self.tokenizer)
-        old = target.with_name(f".old-{target.name}")
-        if target.exists():
-            target.replace(old)
-        tmp.replace(target)
-        shutil.rmtree(old, ignore_errors=True)
+        checkpoint.replace_dir(tmp, target)

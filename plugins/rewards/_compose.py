@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
-from rlx.errors import ConfigError, UserError, did_you_mean
-from rlx.reward_runner import describe_exception
+from rlx.errors import ConfigError, UserError, describe_exception, did_you_mean
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext

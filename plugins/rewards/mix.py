@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlx import Component, hookimpl
+from rlx.errors import describe_exception
 from rlx.protocols import RewardBatch, RewardOutput
-from rlx.reward_runner import describe_exception
 
 from ._compose import build_component, check_name, validate_options
 
