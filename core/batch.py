@@ -3,7 +3,7 @@ Python values (data source, ground truth, ...) and batch-wide metadata."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,12 +88,6 @@ class Batch:
 
     def to(self, device: str | torch.device) -> Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta)
-
-    def iter_rows(self) -> Iterator[dict[str, Any]]:
-        for i in range(len(self)):
-            row: dict[str, Any] = {k: v[i] for k, v in self.tensors.items()}
-            row.update({k: v[i] for k, v in self.non_tensors.items()})
-            yield row
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:

@@ -406,7 +406,3 @@ def validate(raw: dict[str, Any]) -> RLXConfig:
         return RLXConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, RLXConfig)) from None
-
-
-def to_dict(cfg: RLXConfig) -> dict[str, Any]:
-    return cfg.model_dump(mode="json")

@@ -161,16 +161,20 @@ class PromptLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.index = 0  # batches already taken in this epoch
+        self._cached_order: tuple[int, list[int]] = (-1, [])
 
     def batches_per_epoch(self) -> int:
         n = len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.dataset)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        return order
+        """The permutation of epoch ``epoch``, computed once per epoch."""
+        if self._cached_order[0] != epoch:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
 
     def __iter__(self) -> Iterator[list[PromptExample]]:
         while True:

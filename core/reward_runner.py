@@ -154,7 +154,6 @@ class RewardRunner:
     def __init__(self, fn: Callable[[RewardBatch], Any], name: str, policy: RewardPolicy | None = None) -> None:
         self.fn, self.name = fn, name
         self.policy = policy or RewardPolicy()
-        self.abandoned = 0  # thread calls that timed out and may still be running
         if self.policy.executor == "process":
             import multiprocessing as mp
 
@@ -214,7 +213,6 @@ class RewardRunner:
                 if deadline <= now:
                     del running[i]
                     results[i] = self._timeout_outcome(len(jobs[i]))
-                    self.abandoned += 1
         return [r if r is not None else self._timeout_outcome(len(j)) for r, j in zip(results, jobs)]
 
     def _call_processes(self, jobs: list[RewardBatch]) -> list[_Outcome]:

@@ -21,7 +21,7 @@ class RewardWorker:
     """
 
     def __init__(self, reward_fn: RewardFn, tokenizer: Any, name: str, settings: Any = None) -> None:
-        self.reward_fn, self.tokenizer, self.name = reward_fn, tokenizer, name
+        self.tokenizer, self.name = tokenizer, name
         self.runner = RewardRunner(reward_fn, name, RewardPolicy.from_config(settings))
 
     def score(self, batch: Batch) -> Batch:
