@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -224,7 +225,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=value`` -> (``"a.b"``, parsed value). Values are read as YAML (numbers, lists, true)."""
     if "=" not in text:
         raise ConfigError([f"override {text!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6"])
-    key, _, raw = text.partition("=")
+    raw = text.partition("=")[2]
     key = override_key(text)
     if not key:
         raise ConfigError([f"override {text!r}: the key before '=' is empty"])
@@ -368,10 +369,13 @@ def dotted_path(parts: list[Any] | tuple[Any, ...]) -> str:
     return out
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "",
+                            owner: str = "", extra_keys: Sequence[str] = ()) -> list[str]:
     """One line per pydantic error: ``dotted.path: what is wrong (got VALUE)``.
 
     ``prefix`` is the dotted path of ``model`` in the whole config (``algorithm`` for a plugin's options).
+    A plugin's options share their section with core keys: ``owner`` names the plugin and
+    ``extra_keys`` are the section's core keys, offered too when a top-level key is unknown.
     """
     problems = []
     for err in exc.errors():
@@ -380,7 +384,10 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
         kind = err["type"]
         if kind == "extra_forbidden":
             names = _fields_at(model, loc[:-1])
-            problems.append(f"{path}: unknown key.{did_you_mean(str(loc[-1]), names)} "
+            whose = ""
+            if len(loc) == 1 and owner:
+                names, whose = names + list(extra_keys), f" for {owner}"
+            problems.append(f"{path}: unknown key{whose}.{did_you_mean(str(loc[-1]), names)} "
                             f"Valid keys here: {', '.join(names)}")
             continue
         msg = err["msg"]

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from rlx.config import ComponentSection, RLXConfig, build_raw, format_validation_error, validate
-from rlx.errors import ConfigError, UserError, did_you_mean
+from rlx.errors import ConfigError, UserError
 from rlx.registry import PluginManager
 
 # config section -> component kind
@@ -63,13 +63,8 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
     try:
         options = model.model_validate(given, context={"plugins": pm})
     except ValidationError as exc:
-        for p in format_validation_error(exc, model, prefix=path):
-            if ": unknown key." in p:  # suggest among the core keys of the section too
-                key = p.split(":", 1)[0].rsplit(".", 1)[-1]
-                names = list(model.model_fields) + core_keys
-                p = (f"{p.split(':', 1)[0]}: unknown key for {kind} {name!r}.{did_you_mean(key, names)} "
-                     f"Valid keys: {', '.join(names)}")
-            problems.append(p)
+        problems.extend(format_validation_error(exc, model, prefix=path, owner=f"{kind} {name!r}",
+                                                extra_keys=core_keys))
         return None
     # Options that name other components (an algorithm's adv_estimator) check those names here.
     check = getattr(options, "plugin_problems", None)
