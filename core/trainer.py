@@ -288,6 +288,7 @@ class Trainer:
         n = self.sampling.n
         with timer("gen"):
             batch: Batch = self.rollout.call("generate", prompts, self.sampling)
+        batch.meta["max_response_length"] = self.sampling.max_tokens
         batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + first_group
         with timer("reward"):
             batch.update(self.reward.call("score", batch))

@@ -256,6 +256,27 @@ def test_keep_rows_drops_groups_whose_rewards_are_all_equal(pm):
 
 # ---------------------------------------------------------------------------------------------
 # Losses
+def test_dr_grpo_normaliser_is_the_response_budget_not_the_padded_width():
+    """seq-mean-token-sum-norm divides by data.max_response_length, so padding never rescales the loss.
+
+    Rows of 2 and 1 tokens, A = 1, ratio 1: per-sequence token sums -2 and -1, / max_len 8, mean over
+    2 sequences = -(3 / 8) / 2, whatever the padded width.
+    """
+    opts = AlgorithmOptions(loss_agg_mode="seq-mean-token-sum-norm", use_kl_loss=False)
+    losses = []
+    for width in (3, 6):
+        mask = torch.zeros(2, width)
+        mask[0, :2] = 1
+        mask[1, :1] = 1
+        lp = torch.full((2, width), -1.0)
+        mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, width)},
+                   meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0, "max_response_length": 8})
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros(2, width)}, mb)
+        losses.append(float(loss))
+    assert losses[0] == pytest.approx(-(3 / 8) / 2, rel=1e-6)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 def test_actor_loss_kl_and_entropy_terms():
     """token-mean over the mini-batch: pg + kl_coef * mean(k3) - entropy_coeff * mean(H)."""
     mask = t([[1, 1, 0], [1, 0, 0]])

@@ -155,9 +155,13 @@ class CriticLoss:
 
 
 def minibatch_norm(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
-    """The mini-batch's token and sequence counts, put in ``mb.meta`` by the backend, for ``agg_loss``."""
+    """The mini-batch's token and sequence counts, put in ``mb.meta`` by the backend, for ``agg_loss``.
+
+    ``max_len`` (the constant of ``seq-mean-token-sum-norm``) is the configured response budget the
+    trainer records, not the padded width, which changes from step to step.
+    """
     return {"num_tokens": mb.meta["minibatch_tokens"], "num_seqs": mb.meta["minibatch_seqs"],
-            "max_len": mask.shape[1]}
+            "max_len": int(mb.meta.get("max_response_length", mask.shape[1]))}
 
 
 def share_to_mean(mb: Batch, mask: torch.Tensor) -> float:
