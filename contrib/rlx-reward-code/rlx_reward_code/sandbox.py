@@ -8,7 +8,10 @@ cannot raise them. The child runs in its own session and the whole process group
 wall-clock limit.
 
 This bounds what a wrong or runaway program can cost; it is not a security boundary against code
-written to escape (use a container or a VM for that).
+written to escape (use a container or a VM for that). In "asserts" mode the harness keeps its tools
+out of the solution's reach by ordinary means (replacing builtins, reading globals), but code that
+inspects interpreter frames could still forge test results: a policy trained against this reward
+should be checked for that (e.g. by running its solutions elsewhere).
 """
 
 from __future__ import annotations
@@ -46,23 +49,28 @@ if mode == "io":
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     exec(compile(spec["code"], "solution.py", "exec"), namespace)
 else:
-    result = open(spec["result"], "a", encoding="utf-8", buffering=1)
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    try:
-        exec(compile(spec["code"], "solution.py", "exec"), namespace)
-        loaded = True
-    except BaseException as exc:
-        loaded = False
-        result.write(json.dumps({"load_error": type(exc).__name__ + ": " + str(exc)[:200]}) + "\n")
-    for i, test in enumerate(spec["tests"]):
-        if not loaded:
-            break
+    # The harness's own tools are bound as this function's defaults before the solution runs, and
+    # nothing of the harness stays in the module's globals: a solution that replaces builtins.exec
+    # or looks up the result file through globals cannot make failing tests pass.
+    def run_asserts(code, tests, write, run=exec, comp=compile, dumps=json.dumps, each=enumerate,
+                    kind=type, text=str, base=BaseException):
+        namespace = {"__name__": "solution", "__builtins__": __builtins__}
         try:
-            exec(compile(test, "test_%d.py" % i, "exec"), namespace)
-            ok = True
-        except BaseException:
-            ok = False
-        result.write(json.dumps({"test": i, "ok": ok}) + "\n")
+            run(comp(code, "solution.py", "exec"), namespace)
+        except base as exc:
+            write(dumps({"load_error": kind(exc).__name__ + ": " + text(exc)[:200]}) + "\n")
+            return
+        for i, test in each(tests):
+            try:
+                run(comp(test, "test_%d.py" % i, "exec"), namespace)
+                ok = True
+            except base:
+                ok = False
+            write(dumps({"test": i, "ok": ok}) + "\n")
+
+    _harness = run_asserts
+    del run_asserts
+    _harness(spec.pop("code"), spec.pop("tests"), open(spec.pop("result"), "a", encoding="utf-8", buffering=1).write)
 '''
 
 

@@ -214,3 +214,17 @@ def test_trains_through_rlx_when_installed(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["reward/code/has_code"] > 0.5 and r["reward/failed"] == 0.0 for r in rows)
     assert all("reward/code/pass_rate" in r for r in rows)
+
+
+@pytest.mark.parametrize("hack", [
+    # Replace exec so the tests never run.
+    "import builtins\nbuiltins.exec = lambda *a, **k: None",
+    # Write passing results straight into the harness's result file and drop the tests.
+    "import sys, json\ng = sys._getframe(1).f_globals\n"
+    "for i in range(len(g['spec']['tests'])):\n    g['result'].write(json.dumps({'test': i, 'ok': True}) + '\\n')\n"
+    "g['spec']['tests'] = []",
+])
+def test_solutions_cannot_fake_passing_tests(hack):
+    tests = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+    score, pass_rate, *_ = code_plugin.score_one(f"```python\n{hack}\n```", tests, code_plugin.CodeOptions())
+    assert score == 0.0 and pass_rate == 0.0
