@@ -66,7 +66,8 @@ LossFn = Callable[[Mapping[str, "torch.Tensor"], "Batch"], tuple["torch.Tensor",
 ``outputs`` holds ``log_probs`` (b, R), ``entropy`` (b, R) and, for a critic, ``values`` (b, R).
 The loss returned is the micro-batch's share of the mini-batch loss (already divided by the
 mini-batch's token or sequence count, found in ``micro_batch.meta``), so the backend only
-sums gradients over micro-batches.
+sums gradients over micro-batches. A loss with ``needs_entropy_grad = False`` uses the entropy as a
+metric only, and the backend may then compute it outside the autograd graph.
 """
 
 

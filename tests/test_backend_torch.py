@@ -341,3 +341,17 @@ def test_ppo_epochs_minibatches_microbatches_are_exact(model_path, role):
     for k, v in w_whole.items():
         torch.testing.assert_close(w_micro[k], v, atol=1e-6, rtol=0, msg=k)
     assert m_micro[f"{role}/grad_norm"] == pytest.approx(m_whole[f"{role}/grad_norm"], rel=1e-5)
+
+
+def test_entropy_is_differentiated_only_when_the_loss_uses_it(model_path):
+    from rlx.plugins.backends.torch_local import response_log_probs
+
+    worker = make_worker(model_path)
+    batch = make_batch()
+    lp, ent = response_log_probs(worker.model, batch, TEMPERATURE, with_entropy=True, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    _, ent_grad = response_log_probs(worker.model, batch, TEMPERATURE, with_entropy=True)
+    assert ent_grad.requires_grad
+    assert torch.allclose(ent, ent_grad.detach())
+    assert GRPOLoss(GRPOOptions(entropy_coeff=0.0)).needs_entropy_grad is False
+    assert GRPOLoss(GRPOOptions(entropy_coeff=0.01)).needs_entropy_grad is True

@@ -108,6 +108,8 @@ class ActorLoss:
 
     def __init__(self, opts: AlgorithmOptions) -> None:
         self.opts = opts
+        # Without an entropy bonus the entropy is only logged: the backend need not differentiate it.
+        self.needs_entropy_grad = bool(opts.entropy_coeff)
 
     def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         from rlx.plugins.algorithms import functional as F

@@ -71,9 +71,15 @@ def _response_outputs(model: Any, batch: Batch) -> torch.Tensor:
     return logits[:, p - 1:p + r - 1].float()
 
 
-def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature)."""
+def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool,
+                       entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature).
+
+    With ``entropy_grad=False`` the entropy is only a metric: it is computed outside the autograd
+    graph, which then keeps no (b, R, V) intermediates for it.
+    """
+    import torch
+
     from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
 
     responses = batch["responses"]  # (b, R)
@@ -81,7 +87,10 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
     if temperature and temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, responses)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return log_probs, entropy
 
 
@@ -219,6 +228,7 @@ class TorchWorker:
 
         assert self.optimizer is not None, f"role {self.spec.role} is not trainable"
         temperature = float(batch.meta.get("temperature", 1.0))
+        entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", True))
         mask = batch["response_mask"]
         batch.meta["minibatch_tokens"] = float(mask.sum())
         batch.meta["minibatch_seqs"] = float((mask.sum(-1) > 0).sum())
@@ -232,7 +242,8 @@ class TorchWorker:
                 if self.spec.value_head:
                     outputs = {"values": response_values(self.model, mb).float()}
                 else:
-                    log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True)
+                    log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True,
+                                                            entropy_grad=entropy_grad)
                     outputs = {"log_probs": log_probs, "entropy": entropy}
             loss, metrics = loss_fn(outputs, mb)
             loss.backward()
