@@ -99,3 +99,28 @@ class Batch:
         tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
         non = {k: [x for b in batches for x in b.non_tensors[k]] for k in first.non_tensors}
         return Batch(tensors, non, dict(first.meta))
+
+
+# Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
+_PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
+_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0}
+
+
+def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
+    """Concatenate rollout batches whose prompts and responses were padded to different widths."""
+    import torch.nn.functional as F
+
+    if len(parts) == 1:
+        return parts[0]
+    out = []
+    for part in parts:
+        tensors = dict(part.tensors)
+        for keys, left in ((_PROMPT_KEYS, True), (_RESPONSE_KEYS, False)):
+            width = max(p[next(iter(keys))].shape[1] for p in parts)
+            for key, fill in keys.items():
+                if key in tensors and tensors[key].shape[1] < width:
+                    extra = width - tensors[key].shape[1]
+                    value = pad_token_id if fill == "pad" else fill
+                    tensors[key] = F.pad(tensors[key], (extra, 0) if left else (0, extra), value=value)
+        out.append(Batch(tensors, part.non_tensors, part.meta))
+    return Batch.concat(out)

@@ -14,7 +14,6 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import yaml
 
 from rlx import checkpoint
-from rlx.batch import Batch
+from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.errors import UserError
@@ -73,31 +72,6 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
         for mini in data.split(mini_size):
             for k, v in group.call("train_step", mini, loss_fn).items():
                 metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
-
-
-# Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
-_PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
-_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0}
-
-
-def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
-    """Concatenate rollout batches whose prompts and responses were padded to different widths."""
-    import torch.nn.functional as F
-
-    if len(parts) == 1:
-        return parts[0]
-    out = []
-    for part in parts:
-        tensors = dict(part.tensors)
-        for keys, left in ((_PROMPT_KEYS, True), (_RESPONSE_KEYS, False)):
-            width = max(p[next(iter(keys))].shape[1] for p in parts)
-            for key, fill in keys.items():
-                if key in tensors and tensors[key].shape[1] < width:
-                    extra = width - tensors[key].shape[1]
-                    value = pad_token_id if fill == "pad" else fill
-                    tensors[key] = F.pad(tensors[key], (extra, 0) if left else (0, extra), value=value)
-        out.append(Batch(tensors, part.non_tensors, part.meta))
-    return Batch.concat(out)
 
 
 class Trainer:

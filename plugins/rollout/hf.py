@@ -59,11 +59,11 @@ class HFRollout:
         self.weight_version = 0
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        from rlx.batch import Batch
+        from rlx.batch import concat_rollouts
 
         rows = prompts.repeat_interleave(params.n)
         chunks = [self._generate(mb, params) for mb in rows.split(self.options.micro_batch_size)]
-        out = Batch.concat(_pad_responses(chunks, self.pad_token_id))
+        out = concat_rollouts(chunks, self.pad_token_id)
         out.meta["temperature"] = 1.0 if params.greedy else params.temperature
         return out
 
@@ -138,27 +138,6 @@ class HFRollout:
 
     def close(self) -> None:
         self.model = None
-
-
-def _pad_responses(chunks: list[Batch], pad_token_id: int) -> list[Batch]:
-    """Right-pad every chunk's response tensors to the widest chunk."""
-    import torch.nn.functional as F
-
-    width = max(c["responses"].shape[1] for c in chunks)
-    for c in chunks:
-        extra = width - c["responses"].shape[1]
-        if extra:
-            c.tensors["responses"] = F.pad(c["responses"], (0, extra), value=pad_token_id)
-            c.tensors["response_mask"] = F.pad(c["response_mask"], (0, extra), value=0)
-            c.tensors["rollout_log_probs"] = F.pad(c["rollout_log_probs"], (0, extra), value=0.0)
-    # Prompts of different chunks are left-padded to their own widths: pad to the widest on the left.
-    pwidth = max(c["prompts"].shape[1] for c in chunks)
-    for c in chunks:
-        extra = pwidth - c["prompts"].shape[1]
-        if extra:
-            c.tensors["prompts"] = F.pad(c["prompts"], (extra, 0), value=pad_token_id)
-            c.tensors["prompt_mask"] = F.pad(c["prompt_mask"], (extra, 0), value=0)
-    return chunks
 
 
 def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
