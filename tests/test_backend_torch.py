@@ -118,6 +118,9 @@ def test_compute_log_probs_is_deterministic_with_dropout(model_path, tmp_path):
     first, second = worker.compute_log_probs(batch), worker.compute_log_probs(batch)
     assert torch.equal(first["log_probs"], second["log_probs"])
     assert worker.model.training
+    critic = make_critic(str(folder), micro_batch_size=8)  # the critic's values likewise
+    assert torch.equal(critic.compute_values(batch)["values"], critic.compute_values(batch)["values"])
+    assert critic.model.training
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

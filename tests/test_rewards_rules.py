@@ -108,6 +108,13 @@ def test_math_reward_scores_formats_and_ground_truth_solutions():
 
 def test_math_auto_backend_and_missing_math_verify(monkeypatch):
     assert build("reward.name=math") is not None
+    if math_reward.math_verify_available():
+        # Set equality: math-verify scores it right, the built-in check does not, so this shows
+        # that "auto" picked math-verify.
+        auto = math_reward.build(math_reward.MathOptions(), None)
+        builtin = math_reward.build(math_reward.MathOptions(backend="builtin"), None)
+        case = rb(["\\boxed{\\{2, 1\\}}"], ["\\{1,2\\}"])
+        assert auto(case).scores == [1.0] and builtin(case).scores == [0.0]
     monkeypatch.setattr(math_reward, "math_verify_available", lambda: False)
     fn = math_reward.build(math_reward.MathOptions(), None)  # auto falls back to the built-in check
     assert fn(rb(["\\boxed{0.5}"], ["\\frac{1}{2}"])).scores == [1.0]

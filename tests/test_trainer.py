@@ -141,14 +141,12 @@ def test_kill_during_training_never_leaves_an_incomplete_checkpoint(tmp_path: Pa
     assert f"step {last_step})" in resumed.stdout
 
 
-def test_swanlab_offline_gets_every_metric(tmp_path: Path) -> None:
+def test_swanlab_offline_gets_every_metric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("swanlab")
     from rlx.plugins.loggers.swanlab import read_offline_run
 
     run = tmp_path / "run"
-    env_keys = {"SWANLAB_API_KEY": None}
-    for k in env_keys:
-        os.environ.pop(k, None)
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
     result = rlx("train", "--preset", "tiny", "trainer.total_steps=2", "trainer.test_freq=-1",
                  "trainer.loggers=[jsonl,swanlab]", "loggers.swanlab.mode=offline", "trainer.save_freq=0",
                  "trainer.save_hf_model=false", f"trainer.output_dir={run}", cwd=tmp_path)

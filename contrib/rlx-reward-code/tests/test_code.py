@@ -103,15 +103,14 @@ def test_an_infinite_loop_is_killed_at_the_time_limit():
     assert out.extra["code/timeout"] == [1.0, 1.0]
 
 
-def test_memory_and_environment_are_limited(tmp_path):
-    hog = block("x = bytearray(4 * 1024 ** 3)\ndef add(a, b):\n    return a + b")
+def test_memory_and_environment_are_limited():
+    # 768 MiB against a 512 MiB limit: fails under the limit on any host, succeeds without it here.
+    hog = block("x = bytearray(768 * 1024 ** 2)\ndef add(a, b):\n    return a + b")
     env = block("import os\nprint(sorted(k for k in os.environ if k not in ('LC_CTYPE',)))")
     cwd = block("import os\nprint(len(os.listdir('.')))")
-    outside = tmp_path / "secret.txt"
     out = code_plugin.build(CodeOptions(time_limit_s=5.0, memory_mb=512), None)(batch(
         [hog, env, cwd], [ADD_TESTS, "['HOME', 'LANG', 'PATH', 'PYTHONHASHSEED']", "0"]))
-    assert out.scores == [0.0, 1.0, 1.0]  # the 4 GiB allocation fails; the program sees only its own folder
-    assert not outside.exists()
+    assert out.scores == [0.0, 1.0, 1.0]  # the allocation fails; the program sees only its own folder
 
 
 def test_forged_results_do_not_count():
