@@ -26,7 +26,6 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -39,7 +38,6 @@ __all__ = [
     "gae_advantages",
     "group_all_equal",
     "grpo_advantages",
-    "grpo_no_std_advantages",
     "gspo_policy_loss",
     "kl_penalty",
     "log_probs_from_logits",
@@ -355,13 +353,6 @@ def grpo_advantages(
     return tok, tok.clone()
 
 
-def grpo_no_std_advantages(
-    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, *, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dr. GRPO advantages: A_i = s_i - mean_g (no std normalisation); see :func:`grpo_advantages`."""
-    return grpo_advantages(scores, index, response_mask, norm_by_std=False, eps=eps)
-
-
 def rloo_advantages(
     scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,15 +452,6 @@ def gae_advantages(
     return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "grpo": grpo_advantages,
-    "grpo_no_std": grpo_no_std_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_plus_plus": reinforce_plus_plus_advantages,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
-    "remax": remax_advantages,
-    "gae": gae_advantages,
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -594,7 +576,6 @@ def gspo_policy_loss(
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
     "vanilla": ppo_policy_loss,
-    "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
 }
 
