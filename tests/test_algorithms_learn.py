@@ -9,13 +9,14 @@ measured run, and far above what an untrained or broken policy reaches (about 0.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from rlx.plugins.loggers.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def test_algorithm_learns_the_builtin_task(tmp_path: Path, algorithm: str) -> No
          f"trainer.output_dir={run}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 81))
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10

@@ -21,6 +21,7 @@ import pytest
 
 from rlx import Component, hookimpl
 from rlx.errors import UserError
+from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.registry import PluginManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -401,7 +402,7 @@ def test_contrib_length_plugin_end_to_end(tmp_path):
     res = rlx_cli(*train, env=installed, cwd=tmp_path, timeout=600)
     seconds = time.perf_counter() - start
     assert res.returncode == 0, res.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     assert len(metrics) == 2
     assert all("reward/mean" in m and "reward/length/in_range" in m for m in metrics)
     assert all(0.0 <= m["reward/mean"] <= 1.0 for m in metrics)

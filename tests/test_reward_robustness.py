@@ -8,7 +8,6 @@ threads and processes, a real tokenizer; end-to-end through ``rlx train`` at the
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -24,6 +23,7 @@ import torch
 from rlx.batch import Batch
 from rlx.builtin import build_tokenizer
 from rlx.config import RewardConfig
+from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.protocols import RewardBatch, RewardOutput
 from rlx.reward_runner import FAILURE_KINDS, RewardError, RewardPolicy, RewardRunner
 from rlx.workers import RewardWorker
@@ -329,7 +329,7 @@ def test_train_stops_with_a_message_naming_the_plugin_and_the_response(tmp_path)
 def test_train_continues_with_on_error_zero_and_counts_the_failures(tmp_path):
     proc, run_dir = train(tmp_path, "reward.on_error=zero", "reward.failure_score=0.0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0.0 < r["reward/failed"] < 1.0  # about a third of the rows fail

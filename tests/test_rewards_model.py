@@ -4,7 +4,6 @@ end to end through `rlx train`."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from rlx.builtin import build_tokenizer, resolve
 from rlx.errors import UserError
+from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.plugins.rewards.reward_model import PromptUnwrapper, RewardModelOptions, RewardModelScorer
 from rlx.protocols import RewardBatch
 
@@ -137,7 +137,7 @@ def test_mix_of_rule_and_reward_model_trains_end_to_end(tmp_path, rm_path):
          f"trainer.output_dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         arith, rm = r["reward/arith/score"], r["reward/reward_model/score"]

@@ -14,6 +14,7 @@ import pytest
 
 from rlx.cli.scaffold import write_package
 from rlx.errors import UserError
+from rlx.plugins.loggers.jsonl import read_metrics
 
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -100,7 +101,7 @@ def test_installed_package_is_picked_by_rlx_train_and_its_scores_are_logged(pack
                "trainer.save_hf_model=false", "trainer.save_freq=0", f"trainer.output_dir={run_dir}",
                cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert "reward/exact_answer/exact" in r

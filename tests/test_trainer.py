@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlx import checkpoint
+from rlx.plugins.loggers.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def rlx(*args: str, cwd: Path, timeout: int = 600, threads: int | None = None) -
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run)
 
 
 def test_default_job_learns(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.protocols import RewardBatch, RewardOutput
 from rlx.registry import PluginManager
 
@@ -209,7 +210,7 @@ def test_trains_through_rlx_when_installed(tmp_path):
          f"trainer.output_dir={run_dir}"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["reward/code/has_code"] > 0.5 and r["reward/failed"] == 0.0 for r in rows)
     assert all("reward/code/pass_rate" in r for r in rows)
