@@ -6,6 +6,7 @@ Conventions used throughout: ``G`` is a huge garbage value written into padded p
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -329,7 +330,7 @@ def test_reinforce_plus_plus_baseline() -> None:
     close(ret, [[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]])
     # whitening over the 6 valid tokens [0.5, 0.5, -0.5, 0, 0, 0]: mean = 0.5/6 = 1/12
     # deviations 5/12 (x2), -7/12, -1/12 (x3); sum sq = (50 + 49 + 3)/144 = 102/144; unbiased /5
-    mean, sd = 1 / 12, math.sqrt(102 / 144 / 5 + 1e-6)
+    mean, sd = 1 / 12, math.sqrt(102 / 144 / 5 + 1e-8)
     a, b, z = (0.5 - mean) / sd, (-0.5 - mean) / sd, (0 - mean) / sd
     close(adv, [[a, a], [b, 0.0], [z, z], [z, 0.0]])
 
@@ -403,7 +404,7 @@ PPO_ADV = t([[1.0, 1.0, -1.0], [-2.0, -1.0, G]])
 
 
 def test_ppo_policy_loss_clip() -> None:
-    loss, m = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK)
+    loss, m = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, clip_ratio_c=None)
     # l = max(-A r, -A clip(r, 0.8, 1.2)):
     #   a: max(-1.5, -1.2) = -1.2 (clipped)   b: max(-0.7, -0.8) = -0.7
     #   c: max(1.0, 1.0) = 1.0                d: max(1.0, 1.6) = 1.6 (clipped)
@@ -422,12 +423,16 @@ def test_ppo_policy_loss_clip() -> None:
 
 
 def test_ppo_policy_loss_dual_clip_and_gradient() -> None:
+    """Dual clip with c = 3 is the default, as in verl (which always applies it)."""
     logp = PPO_LOGP.clone().requires_grad_(True)
-    loss, m = F.ppo_policy_loss(logp, PPO_OLD, PPO_ADV, PPO_MASK, clip_ratio_c=3.0)
+    loss, m = F.ppo_policy_loss(logp, PPO_OLD, PPO_ADV, PPO_MASK)
     # dual clip for A < 0: l = min(l, -A * 3): c: min(1, 3) = 1 ; d: min(1.6, 6) = 1.6 ; e: min(5, 3) = 3
     # (-1.2 - 0.7 + 1.0 + 1.6 + 3.0) / 5 = 3.7 / 5 = 0.74
     close(loss, 0.74)
     assert m["pg_clipfrac_dual"] == pytest.approx(1 / 5)  # e
+    close(F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, clip_ratio_c=3.0)[0], 0.74)
+    # c = 4: e: min(5, 4) = 4 -> (-1.2 - 0.7 + 1.0 + 1.6 + 4.0) / 5 = 0.94
+    close(F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, clip_ratio_c=4.0)[0], 0.94)
     loss.backward()
     # d l / d logp = -A r on unclipped tokens, 0 on clipped ones; / 5 tokens
     #   a: 0 ; b: -0.7/5 = -0.14 ; c: 1.0/5 = 0.2 ; d: 0 ; e: 0 (dual-clipped) ; padding: 0
@@ -439,18 +444,18 @@ def test_ppo_policy_loss_dual_clip_and_gradient() -> None:
 
 def test_ppo_policy_loss_asymmetric_clip_and_padding() -> None:
     # clip-higher (DAPO): clip_high = 0.28 -> a: max(-1.5, -1.28) = -1.28 ; rest unchanged
-    loss, _ = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, clip_high=0.28)
+    loss, _ = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, clip_high=0.28, clip_ratio_c=None)
     close(loss, (-1.28 - 0.7 + 1.0 + 1.6 + 5.0) / 5)
     # clean padding -> identical loss and metrics
     clean = [with_padding(x, PPO_MASK, 0.0) for x in (PPO_LOGP, PPO_OLD, PPO_ADV)]
-    for kwargs in ({}, {"clip_ratio_c": 3.0}, {"agg_mode": "seq-mean-token-sum-norm"}):
+    for kwargs in ({}, {"clip_ratio_c": None}, {"agg_mode": "seq-mean-token-sum-norm"}):
         l_g, m_g = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, **kwargs)
         l_c, m_c = F.ppo_policy_loss(*clean, PPO_MASK, **kwargs)
         assert torch.equal(l_g, l_c)
         assert m_g == m_c
-    # seq-mean-token-sum: ((-1.2 - 0.7 + 1.0) + (1.6 + 5.0)) / 2 = (-0.9 + 6.6) / 2 = 2.85
+    # seq-mean-token-sum, dual clip (e: 3): ((-1.2 - 0.7 + 1.0) + (1.6 + 3.0)) / 2 = (-0.9 + 4.6) / 2 = 1.85
     loss_s, _ = F.ppo_policy_loss(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, agg_mode="seq-mean-token-sum")
-    close(loss_s, 2.85)
+    close(loss_s, 1.85)
 
 
 def test_ppo_policy_loss_micro_batches_with_totals() -> None:
@@ -614,3 +619,239 @@ def test_group_all_equal() -> None:
     out = F.group_all_equal(scores, index)
     assert out.dtype == torch.bool
     assert out.tolist() == [True, True, False, False, False, True]
+
+
+def test_count_equal_score_groups() -> None:
+    index = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
+    scores = t([1.0, 1.0, 0.0, 1.0, 0.0, 5.0, 0.5, 0.5])
+    # groups of two or more: 0 {1, 1} equal, 1 {0, 1, 0} not, 3 {0.5, 0.5} equal; 2 is a singleton
+    assert F.count_equal_score_groups(scores, index) == (3, 2)
+    assert F.count_equal_score_groups(t([1.0, 2.0]), torch.tensor([0, 1])) == (0, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Group statistics at float32: a group whose scores are all equal gets exactly 0
+# --------------------------------------------------------------------------------------------------
+
+
+def _grpo(s, i, m):
+    return F.grpo_advantages(s, i, m)
+
+
+def _grpo_no_std(s, i, m):
+    return F.grpo_advantages(s, i, m, norm_by_std=False)
+
+
+GROUP_ESTIMATORS = {"grpo": _grpo, "grpo_no_std": _grpo_no_std, "rloo": F.rloo_advantages,
+                    "reinforce_plus_plus_baseline": F.reinforce_plus_plus_baseline_advantages}
+
+
+@pytest.mark.parametrize("name", list(GROUP_ESTIMATORS))
+@pytest.mark.parametrize(("n", "value", "dtype"), [(8, 0.7, torch.float32), (16, 123.456, torch.float32),
+                                                   (3, 0.1, torch.float64), (5, -1e-3, torch.float32)])
+def test_all_equal_group_gets_exactly_zero(name: str, n: int, value: float, dtype: torch.dtype) -> None:
+    """full(8, 0.7) gave 0.056 and full(16, 123.456) gave -0.93 with float32 group statistics:
+    the mean was off by a rounding error and the std was that same error."""
+    scores = torch.full((n,), value, dtype=dtype)
+    adv, ret = GROUP_ESTIMATORS[name](scores, torch.zeros(n, dtype=torch.long), torch.ones(n, 3))
+    assert adv.dtype == dtype
+    assert torch.equal(adv, torch.zeros_like(adv)), adv[:, 0]
+    assert torch.equal(ret, torch.zeros_like(ret))
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_no_std", "rloo"])
+def test_all_equal_group_next_to_a_mixed_group(name: str) -> None:
+    # group 0: eight times float32(0.7) -> exactly 0; group 1: [1, 2, 3] -> hand values below
+    scores = torch.cat([torch.full((8,), 0.7), t([1.0, 2.0, 3.0])])
+    index = torch.tensor([0] * 8 + [1] * 3)
+    adv, _ = GROUP_ESTIMATORS[name](scores, index, torch.ones(11, 2))
+    assert torch.equal(adv[:8], torch.zeros(8, 2))
+    # mean 2, unbiased std 1: grpo (s - 2) / (1 + 1e-6); Dr. GRPO s - 2; rloo s - mean(others)
+    want = {"grpo": [-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6)], "grpo_no_std": [-1.0, 0.0, 1.0],
+            "rloo": [1 - 2.5, 2 - 2.0, 3 - 1.5]}[name]
+    close(adv[8:, 0], want)
+
+
+def test_reinforce_plus_plus_baseline_all_equal_group_is_centred_to_exactly_zero() -> None:
+    # The equal group's centred score c is exactly 0; whitening over the batch then shifts every token
+    # by the batch mean (as in the paper), so only c, not A, is 0 for that group.
+    scores = torch.cat([torch.full((16,), 123.456), t([1.0, 3.0])])
+    index = torch.tensor([0] * 16 + [1] * 2)
+    _, centred = F.reinforce_plus_plus_baseline_advantages(scores, index, torch.ones(18, 1))
+    assert torch.equal(centred[:16], torch.zeros(16, 1))
+    close(centred[16:, 0], [-1.0, 1.0])
+
+
+def test_reinforce_plus_plus_baseline_whitening_eps_is_verls_1e_8() -> None:
+    # c = [-1e-4, 1e-4]: unbiased var 2e-8, so A = c / sqrt(2e-8 + eps) = -+1/sqrt(3) with eps = 1e-8
+    # (with eps = 1e-6 it would be -+0.099).
+    scores = t([0.0, 2e-4], dtype=torch.float64)
+    adv, _ = F.reinforce_plus_plus_baseline_advantages(scores, torch.tensor([0, 0]), torch.ones(2, 1))
+    close(adv[:, 0], [-1 / math.sqrt(3), 1 / math.sqrt(3)], atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The padding promise, with autograd: inf/nan at padded positions never reach a gradient
+# --------------------------------------------------------------------------------------------------
+
+PAD_MASK = t([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+NAN, INF = float("nan"), float("inf")
+# Garbage for the first, second and third input of a loss: each padded position mixes kinds, e.g.
+# finite log-probs with an infinite advantage (the case that gave NaN gradients through -A * ratio).
+JUNK = [t([[0, 0, 0, 0.5, NAN], [0, 0, INF, -2.0, 1e30], [0, 0, 0, 0, 0]]),
+        t([[0, 0, 0, -1.0, 0.3], [0, 0, -INF, NAN, 0.0], [0, 0, 0, 0, 0]]),
+        t([[0, 0, 0, INF, 2.0], [0, 0, NAN, -INF, 1e30], [0, 0, 0, 0, 0]])]
+
+
+def _junk(x: torch.Tensor, which: int = 0) -> torch.Tensor:
+    return torch.where(PAD_MASK.bool(), x, JUNK[which])
+
+
+def _clean(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(PAD_MASK.bool(), x, torch.zeros_like(x))
+
+
+LP = t([[-1.0, -0.3, -2.0, 0, 0], [-0.7, -1.2, 0, 0, 0], [-0.5, -0.1, -3.0, -1.1, -0.9]])
+OLD = t([[-1.2, -0.2, -2.5, 0, 0], [-0.1, -1.3, 0, 0, 0], [-0.5, -0.6, -2.0, -1.0, -0.2]])
+ADV = t([[1.0, -1.0, 2.0, 0, 0], [-2.0, 0.5, 0, 0, 0], [1.5, -0.5, -1.0, 0.3, -3.0]])
+
+def _kl_loss(lp: torch.Tensor, ref: torch.Tensor, _unused: torch.Tensor, est: str) -> torch.Tensor:
+    return F.agg_loss(F.kl_penalty(lp, ref, est, PAD_MASK), PAD_MASK, "token-mean")
+
+
+LOSSES = {
+    "ppo_clip": lambda lp, old, adv: F.ppo_policy_loss(lp, old, adv, PAD_MASK, clip_ratio_c=None)[0],
+    "ppo_dual_clip": lambda lp, old, adv: F.ppo_policy_loss(lp, old, adv, PAD_MASK, clip_ratio_c=3.0)[0],
+    "ppo_clip_higher": lambda lp, old, adv: F.ppo_policy_loss(lp, old, adv, PAD_MASK, clip_high=0.28)[0],
+    "ppo_seq_mean": lambda lp, old, adv: F.ppo_policy_loss(lp, old, adv, PAD_MASK,
+                                                            agg_mode="seq-mean-token-mean")[0],
+    "gspo": lambda lp, old, adv: F.gspo_policy_loss(lp, old, adv, PAD_MASK, clip_low=1.0, clip_high=1.0)[0],
+    "gspo_clipped": lambda lp, old, adv: F.gspo_policy_loss(lp, old, adv, PAD_MASK)[0],
+    "value": lambda v, old, ret: F.value_loss(v, old, ret, PAD_MASK, clip_range=0.2)[0],
+    "value_unclipped": lambda v, old, ret: F.value_loss(v, old, ret, PAD_MASK, clip_range=None)[0],
+    **{f"kl_{est}": functools.partial(_kl_loss, est=est) for est in F.KL_ESTIMATORS},
+    "entropy": lambda h, _a, _b: F.agg_loss(h, PAD_MASK, "seq-mean-token-mean"),
+    "whiten": lambda x, _a, _b: (F.masked_whiten(x, PAD_MASK) * ADV).sum(),
+    "var": lambda x, _a, _b: F.masked_var(x, PAD_MASK),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_padding_garbage_never_reaches_a_gradient(name: str) -> None:
+    """Every padded entry of every input holds nan, inf, -inf or 1e30; the loss and its gradient
+    with respect to the differentiated input equal those with zero padding: finite, 0 at padding."""
+    fn = LOSSES[name]
+    clean_x = _clean(LP).requires_grad_(True)
+    clean_loss = fn(clean_x, _clean(OLD), _clean(ADV))
+    (clean_grad,) = torch.autograd.grad(clean_loss, clean_x)
+    x = _junk(LP).requires_grad_(True)
+    loss = fn(x, _junk(OLD, 1), _junk(ADV, 2))
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(grad).all(), grad
+    assert torch.equal(grad[~PAD_MASK.bool()], torch.zeros(int((PAD_MASK == 0).sum())))
+    assert torch.equal(grad, clean_grad)
+    assert torch.equal(loss, clean_loss)
+    assert bool(grad.abs().sum() > 0)  # the loss does depend on the real tokens
+
+
+def test_gradients_reach_old_and_advantage_inputs_only_at_real_tokens() -> None:
+    """The inputs that usually carry no gradient are guarded too (e.g. a learned advantage)."""
+    for name in ("ppo_dual_clip", "gspo", "value"):
+        old = _junk(OLD, 1).requires_grad_(True)
+        adv = _junk(ADV, 2).requires_grad_(True)
+        grads = torch.autograd.grad(LOSSES[name](_junk(LP), old, adv), (old, adv), allow_unused=True)
+        for g in grads:
+            if g is not None:
+                assert torch.isfinite(g).all(), (name, g)
+                assert torch.all(g[~PAD_MASK.bool()] == 0), (name, g)
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients of every loss term against an independent reference (issue: values alone hide a
+# missing or detached gradient). log_probs differ from old and ref log-probs throughout.
+# --------------------------------------------------------------------------------------------------
+
+REF = t([[-0.4, -0.9, -1.0, 0, 0], [-1.5, -0.2, 0, 0, 0], [-0.2, -0.3, -2.2, -1.8, -0.1]])
+
+
+def _reference_kl(lp: torch.Tensor, ref: torch.Tensor, est: str) -> torch.Tensor:
+    """The KL estimators written from their definitions (Schulman's k1, k2, k3 and |log ratio|)."""
+    ratio_ref = torch.exp(ref - lp)  # pi_ref / pi
+    return {"k1": torch.log(1 / ratio_ref), "abs": torch.log(ratio_ref).abs(),
+            "k2": torch.log(ratio_ref) ** 2 / 2, "k3": ratio_ref - 1 - torch.log(ratio_ref),
+            "low_var_kl": ratio_ref - 1 - torch.log(ratio_ref)}[est]
+
+
+@pytest.mark.parametrize("est", F.KL_ESTIMATORS)
+def test_kl_penalty_gradient_matches_reference_and_finite_differences(est: str) -> None:
+    lp = LP.double().requires_grad_(True)
+    ref = REF.double()
+    (g,) = torch.autograd.grad(F.kl_penalty(lp, ref, est, PAD_MASK).sum(), lp)
+    lp_r = LP.double().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad((_reference_kl(lp_r, ref, est) * PAD_MASK.double()).sum(), lp_r)
+    torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=1e-9)
+    # analytic: d/dlogp of k1 = 1, |d| = sign(d), k2 = d, k3 = 1 - exp(-d), with d = logp - ref
+    d = LP.double() - REF.double()
+    analytic = {"k1": torch.ones_like(d), "abs": d.sign(), "k2": d, "k3": 1 - torch.exp(-d),
+                "low_var_kl": 1 - torch.exp(-d)}[est] * PAD_MASK.double()
+    torch.testing.assert_close(g, analytic, atol=1e-12, rtol=1e-9)
+    assert bool(g.abs().sum() > 0)
+    assert torch.autograd.gradcheck(lambda x: F.kl_penalty(x, ref, est, PAD_MASK), (LP.double().requires_grad_(True),))
+
+
+def test_entropy_from_logits_gradient() -> None:
+    """entropy_from_logits works in float32 whatever the input dtype, hence the float32 tolerance."""
+    logits = torch.tensor([[[1.0, -2.0, 0.5, 3.0], [0.0, 0.1, -0.2, 0.3]]], dtype=torch.float64,
+                          requires_grad=True)
+    weights = torch.tensor([[0.7, -1.3]], dtype=torch.float64)
+    (g,) = torch.autograd.grad((F.entropy_from_logits(logits) * weights).sum(), logits)
+    z = logits.detach().clone().requires_grad_(True)
+    log_p = z - torch.log(torch.exp(z).sum(-1, keepdim=True))
+    (g_ref,) = torch.autograd.grad((-(log_p.exp() * log_p).sum(-1) * weights).sum(), z)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    # dH/dz_j = -p_j (log p_j + H)
+    p = torch.softmax(logits.detach(), -1)
+    h = -(p * p.log()).sum(-1, keepdim=True)
+    torch.testing.assert_close(g, -p * (p.log() + h) * weights.unsqueeze(-1), atol=1e-6, rtol=1e-5)
+
+
+def _reference_ppo_loss(lp, old, adv, mask, clip_low, clip_high, c):
+    """PPO's clipped objective as in the paper, min(r A, clip(r) A), negated; dual clip (Ye et al.):
+    for A < 0 the objective is at least c A."""
+    r = torch.exp(lp - old)
+    obj = torch.min(r * adv, torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv)
+    if c is not None:
+        obj = torch.where(adv < 0, torch.max(obj, c * adv), obj)
+    return (-obj * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high", "c"), [(0.2, 0.2, None), (0.2, 0.2, 3.0), (0.2, 0.28, 3.0),
+                                                          (0.1, 0.3, 1.5)])
+def test_ppo_policy_loss_gradient_matches_reference(clip_low, clip_high, c) -> None:
+    # ratios exp(lp - old) from 0.55 to 2.7: some tokens in the clip range, some clipped, some dual-clipped
+    lp = LP.double().requires_grad_(True)
+    loss, _ = F.ppo_policy_loss(lp, OLD.double(), ADV.double(), PAD_MASK, clip_low=clip_low, clip_high=clip_high,
+                                clip_ratio_c=c)
+    (g,) = torch.autograd.grad(loss, lp)
+    lp_r = LP.double().requires_grad_(True)
+    ref_loss = _reference_ppo_loss(lp_r, OLD.double(), ADV.double(), PAD_MASK.double(), clip_low, clip_high, c)
+    (g_ref,) = torch.autograd.grad(ref_loss, lp_r)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=1e-9)
+    assert int((g != 0).sum()) >= 4 and int(((g == 0) & PAD_MASK.bool()).sum()) >= 1  # both kinds of token
+
+
+def test_value_loss_gradient_matches_reference() -> None:
+    values = t([[0.5, 1.5, -0.2, 0, 0], [2.0, 0.0, 0, 0, 0], [0.3, 0.9, 1.0, -1.0, 0.1]], dtype=torch.float64)
+    old = t([[0.4, 1.0, -0.1, 0, 0], [1.0, 0.1, 0, 0, 0], [0.3, 1.2, 0.2, -0.5, 0.0]], dtype=torch.float64)
+    ret = t([[1.0, 0.0, 0.0, 0, 0], [0.0, 1.0, 0, 0, 0], [0.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    m = PAD_MASK.double()
+    for clip in (0.2, None):
+        v = values.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(F.value_loss(v, old, ret, PAD_MASK, clip_range=clip)[0], v)
+        v_r = values.clone().requires_grad_(True)
+        clipped = v_r if clip is None else torch.min(torch.max(v_r, old - clip), old + clip)
+        per_token = 0.5 * torch.max((v_r - ret) ** 2, (clipped - ret) ** 2)
+        (g_ref,) = torch.autograd.grad((per_token * m).sum() / m.sum(), v_r)
+        torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=1e-9)
+        assert bool(g.abs().sum() > 0)

@@ -11,9 +11,15 @@ Conventions
 * ``scores`` are ``(B,)`` per-sequence rewards; ``token_level_rewards`` are ``(B, T)`` and carry the
   sequence reward at the last valid token (plus per-token KL penalties, if any).
 
-Padding never leaks: masking is done with ``torch.where`` rather than multiplication, so even
+Padding never leaks: every function that takes a mask replaces the padded entries of its inputs
+with 0 (``torch.where``, before any arithmetic) and masks its outputs the same way, so even
 ``inf``/``nan`` garbage at padded positions cannot reach a loss, an advantage, a statistic or a
-gradient. Every advantage/return tensor is exactly zero at padding.
+gradient: the gradient of a loss with respect to a padded input is exactly 0. Every
+advantage/return tensor is exactly zero at padding.
+
+Group statistics (means, stds, leave-one-out means) are computed in float64 and a group whose
+scores are all equal gets advantage exactly 0, whatever the scores' dtype: a float32 group mean
+is off by a rounding error, which the std would otherwise blow up to an advantage of order 1.
 
 This module imports torch at top level; it is only imported lazily by the algorithm plugins.
 """
@@ -33,6 +39,7 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_in_reward",
+    "count_equal_score_groups",
     "entropy_from_logits",
     "explained_variance",
     "gae_advantages",
@@ -85,6 +92,12 @@ def _zero_like_scalar(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=x.dtype, device=x.device)
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with its padded entries replaced by 0, so that nothing computed from it (values or
+    gradients: the backward of ``where`` sends exactly 0 to the entries it did not pick) sees them."""
+    return torch.where(_bool_mask(x, mask), x, _zero_like_scalar(x))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum(x * mask) over ``dim`` (all elements if ``None``); padded entries contribute exactly 0.
 
@@ -119,6 +132,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     var = sum(mask * (x - mean)^2) / n, times n / (n - 1) if ``unbiased``; n = sum(mask).
     Fewer than two valid entries give 0 (never NaN).
     """
+    x = _masked(x, mask)
     mean = masked_mean(x, mask)
     centered_sq = (x - mean) ** 2
     n = _mask_count(x, mask)
@@ -137,6 +151,7 @@ def masked_whiten(
     out = (x - mean) / sqrt(var + eps); if not ``shift_mean`` the mean is added back:
     out = (x - mean) / sqrt(var + eps) + mean. Padded entries of the result are 0.
     """
+    x = _masked(x, mask)
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
     out = (x - mean) * torch.rsqrt(var + eps)
@@ -218,7 +233,12 @@ def agg_loss(
 # --------------------------------------------------------------------------------------------------
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    estimator: str,
+    response_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; shapes (B, T) -> (B, T).
 
     With d = logp - logp_ref:
@@ -227,10 +247,13 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
       * ``"k2"``:                 0.5 * d^2
       * ``"k3"`` / ``"low_var_kl"``: exp(-d) - (-d) - 1, clamped to [-10, 10]
 
-    The result is not masked (callers mask it); for k3 the log-ratio is clamped to [-20, 20] before
-    ``exp``, which does not change any output value (both ends already saturate the [-10, 10] clamp)
-    but keeps it finite for arbitrary padding garbage.
+    With ``response_mask`` both inputs are zeroed at padding first, so the result (and its
+    gradient) is exactly 0 there whatever the padding holds; without it the result is not masked.
+    For k3 the log-ratio is clamped to [-20, 20] before ``exp``, which does not change any output
+    value (both ends already saturate the [-10, 10] clamp) but keeps it finite.
     """
+    if response_mask is not None:
+        log_probs, ref_log_probs = _masked(log_probs, response_mask), _masked(ref_log_probs, response_mask)
     diff = log_probs - ref_log_probs  # (B, T)
     if estimator == "k1":
         return diff
@@ -305,22 +328,31 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
 
 def _group_stats(
     scores: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row group size, group sum and group sum of squared deviations; each (B,)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group size, group mean, group sum of squared deviations (float64, each (B,)) and
+    whether every score of the row's group is equal ((B,) bool; True for singletons).
+
+    float64 makes the mean of n equal float32 scores exactly that score (n * s is exact in float64
+    for n < 2**29), and the equality flag lets callers give such groups exactly 0 whatever the
+    input dtype (for float64 scores the mean of equal values can still be off by a rounding error).
+    """
     index = torch.as_tensor(index, device=scores.device)
     if index.shape != scores.shape:
         raise ValueError(f"index shape {tuple(index.shape)} does not match scores {tuple(scores.shape)}")
+    s = scores.to(torch.float64)  # (B,)
     uniq, inverse = torch.unique(index, return_inverse=True)  # inverse (B,) in [0, G)
     G = uniq.numel()
-    counts = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(
-        0, inverse, torch.ones_like(scores)
-    )  # (G,)
-    sums = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)  # (G,)
-    mean = sums / counts.clamp(min=1.0)  # (G,)
-    sq_dev = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(
-        0, inverse, (scores - mean[inverse]) ** 2
-    )  # (G,)
-    return counts[inverse], sums[inverse], sq_dev[inverse]
+    zeros = torch.zeros(G, dtype=s.dtype, device=s.device)
+    counts = zeros.index_add(0, inverse, torch.ones_like(s))  # (G,)
+    mean = zeros.index_add(0, inverse, s) / counts.clamp(min=1.0)  # (G,)
+    sq_dev = zeros.index_add(0, inverse, (s - mean[inverse]) ** 2)  # (G,)
+    gmax = torch.full((G,), -math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
+        0, inverse, s, reduce="amax"
+    )
+    gmin = torch.full((G,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
+        0, inverse, s, reduce="amin"
+    )
+    return counts[inverse], mean[inverse], sq_dev[inverse], (gmax == gmin)[inverse]
 
 
 def _float_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -338,17 +370,18 @@ def grpo_advantages(
     """GRPO outcome advantages, broadcast to every valid token.
 
     A_i = (s_i - mean_g) / (std_g + eps) with std the unbiased (n - 1) group std; with
-    ``norm_by_std=False`` (Dr. GRPO) A_i = s_i - mean_g. A singleton group gets A = 0 (no baseline
-    can be formed from one sample). Returns ``(advantages, returns)``, both (B, T) and equal.
+    ``norm_by_std=False`` (Dr. GRPO) A_i = s_i - mean_g. A group whose scores are all equal gets
+    exactly A = 0, and so does a singleton group (no baseline can be formed from one sample).
+    Statistics in float64, result in the scores' dtype. Returns ``(advantages, returns)``, both
+    (B, T) and equal.
     """
     s = _float_scores(scores)  # (B,)
-    n, total, sq_dev = _group_stats(s, index)  # (B,) each
-    mean = total / n  # (B,)
-    adv = s - mean  # (B,)
+    n, mean, sq_dev, equal = _group_stats(s, index)  # (B,) each, float64
+    adv = s.to(torch.float64) - mean  # (B,)
     if norm_by_std:
-        std = torch.sqrt(sq_dev / (n - 1.0).clamp(min=1.0))  # (B,); 0 for singletons
+        std = torch.sqrt(sq_dev / (n - 1.0).clamp(min=1.0))  # (B,)
         adv = adv / (std + eps)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+    adv = torch.where(equal, torch.zeros_like(adv), adv).to(s.dtype)  # singletons are "equal" too
     tok = _broadcast_to_tokens(adv, response_mask)  # (B, T)
     return tok, tok.clone()
 
@@ -358,12 +391,14 @@ def rloo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: A_i = s_i - (sum_g - s_i) / (n_g - 1), the mean of the *other* samples of the group.
 
-    Singleton groups get 0. Returns ``(advantages, returns)`` (B, T), equal.
+    Groups whose scores are all equal, and singleton groups, get exactly 0. Statistics in float64.
+    Returns ``(advantages, returns)`` (B, T), equal.
     """
     s = _float_scores(scores)  # (B,)
-    n, total, _ = _group_stats(s, index)
-    loo_mean = (total - s) / (n - 1.0).clamp(min=1.0)  # (B,)
-    adv = torch.where(n > 1, s - loo_mean, torch.zeros_like(s))
+    n, mean, _, equal = _group_stats(s, index)  # float64
+    s64 = s.to(torch.float64)
+    loo_mean = (mean * n - s64) / (n - 1.0).clamp(min=1.0)  # (B,)
+    adv = torch.where(equal, torch.zeros_like(s64), s64 - loo_mean).to(s.dtype)
     tok = _broadcast_to_tokens(adv, response_mask)
     return tok, tok.clone()
 
@@ -371,6 +406,7 @@ def rloo_advantages(
 def _discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{k >= t, valid} gamma^(#valid tokens from t to k, exclusive of t) r_k; 0 at padding."""
     m = _bool_mask(rewards, response_mask)  # (B, T)
+    rewards = _masked(rewards, m)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)  # (B,)
     out = torch.zeros_like(rewards)  # (B, T)
     for t in reversed(range(rewards.shape[-1])):
@@ -393,16 +429,19 @@ def reinforce_plus_plus_advantages(
 
 
 def reinforce_plus_plus_baseline_advantages(
-    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-6
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: c_i = s_i - mean_g, broadcast to tokens, then whitened over all valid
+    """REINFORCE++-baseline: c_i = s_i - mean_g (group mean in float64; exactly 0 for a group whose
+    scores are all equal, singletons included), broadcast to tokens, then whitened over all valid
     tokens of the batch: A = masked_whiten(c, mask, eps=eps).
 
     ``returns`` is the un-whitened, group-mean-subtracted score c broadcast to tokens. (B, T) each.
     """
     s = _float_scores(scores)
-    n, total, _ = _group_stats(s, index)
-    centered = _broadcast_to_tokens(s - total / n, response_mask)  # (B, T)
+    _, mean, _, equal = _group_stats(s, index)  # float64
+    c = s.to(torch.float64) - mean
+    c = torch.where(equal, torch.zeros_like(c), c).to(s.dtype)
+    centered = _broadcast_to_tokens(c, response_mask)  # (B, T)
     advantages = masked_whiten(centered, response_mask, eps=eps)
     return advantages, centered
 
@@ -435,6 +474,7 @@ def gae_advantages(
     ``advantages`` are masked_whiten(A) if ``whiten`` else A. (B, T) each, zero at padding.
     """
     m = _bool_mask(token_level_rewards, response_mask)  # (B, T)
+    token_level_rewards, values = _masked(token_level_rewards, m), _masked(values, m)
     B, T = token_level_rewards.shape
     zeros = torch.zeros(B, dtype=token_level_rewards.dtype, device=token_level_rewards.device)
     next_value = zeros  # (B,)
@@ -502,7 +542,7 @@ def ppo_policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    clip_ratio_c: float | None = None,
+    clip_ratio_c: float | None = 3.0,
     agg_mode: str = "token-mean",
     num_tokens: Number | torch.Tensor | None = None,
     num_seqs: Number | torch.Tensor | None = None,
@@ -512,7 +552,8 @@ def ppo_policy_loss(
 
     r_t = exp(clamp(logp_t - old_t, -20, 20))
     l_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
-    dual clip (``clip_ratio_c`` = c > 1): l_t = min(l_t, -A_t * c) where A_t < 0.
+    dual clip (``clip_ratio_c`` = c > 1, default 3 as in verl; ``None`` turns it off):
+    l_t = min(l_t, -A_t * c) where A_t < 0.
     loss = agg_loss(l, mask, agg_mode, ...).
 
     Metrics (python floats, masked means over this call's valid tokens): ``pg_clipfrac`` (clipped
@@ -520,6 +561,9 @@ def ppo_policy_loss(
     (r > 1 + clip_high and A > 0), ``pg_clipfrac_dual`` (dual clip active), ``ppo_kl``
     (mean of old - logp).
     """
+    log_probs, old_log_probs, advantages = (
+        _masked(x, response_mask) for x in (log_probs, old_log_probs, advantages)
+    )
     log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)
     loss_mat, metrics = _clipped_surrogate(
@@ -561,6 +605,9 @@ def gspo_policy_loss(
     Metrics as in :func:`ppo_policy_loss` (``pg_clipfrac_dual`` is always 0).
     """
     del clip_ratio_c
+    log_probs, old_log_probs, advantages = (
+        _masked(x, response_mask) for x in (log_probs, old_log_probs, advantages)
+    )
     seq_log_ratio = masked_mean(log_probs - old_log_probs, response_mask, dim=-1)  # (B,)
     seq_log_ratio = seq_log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     log_ratio = seq_log_ratio.unsqueeze(-1) + (log_probs - log_probs.detach())  # (B, T)
@@ -599,6 +646,7 @@ def value_loss(
     Metrics: ``vf_clipfrac`` (fraction of valid tokens where the clipped term is larger) and
     ``vf_loss`` (the aggregated loss as a float).
     """
+    values, old_values, returns = (_masked(x, response_mask) for x in (values, old_values, returns))
     loss_unclipped = (values - returns).square()  # (B, T)
     if clip_range is None:
         loss_mat = 0.5 * loss_unclipped
@@ -677,10 +725,9 @@ def apply_kl_in_reward(
     ``mean_kl`` (python float) is the mean over sequences that have at least one valid token of
     each sequence's masked token-mean KL — the quantity fed to ``AdaptiveKLController.update``.
     """
-    kl = kl_penalty(log_probs, ref_log_probs, estimator)  # (B, T)
+    kl = kl_penalty(log_probs, ref_log_probs, estimator, response_mask)  # (B, T), 0 at padding
     m = _bool_mask(kl, response_mask)
-    kl = torch.where(m, kl, _zero_like_scalar(kl))
-    rewards = torch.where(m, token_level_scores - kl_coef * kl, torch.zeros_like(kl))
+    rewards = _masked(token_level_scores, m) - kl_coef * kl
     seq_kl = masked_mean(kl, m, dim=-1)  # (B,)
     nonempty = m.any(dim=-1)  # (B,)
     mean_kl = masked_mean(seq_kl, nonempty).item()
@@ -714,14 +761,14 @@ def overlong_penalty(
 def group_all_equal(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """(B,) bool: True where every score of the row's group is exactly equal (zero-variance groups,
     which DAPO dynamic sampling filters out). Singleton groups are True."""
-    index = torch.as_tensor(index, device=scores.device)
-    uniq, inverse = torch.unique(index, return_inverse=True)  # inverse (B,)
-    G = uniq.numel()
-    s = _float_scores(scores)
-    gmax = torch.full((G,), -math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
-        0, inverse, s, reduce="amax"
-    )
-    gmin = torch.full((G,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(
-        0, inverse, s, reduce="amin"
-    )
-    return (gmax == gmin)[inverse]
+    return _group_stats(_float_scores(scores), index)[3]
+
+
+def count_equal_score_groups(scores: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
+    """``(groups, equal)``: the number of groups with two or more responses, and how many of those
+    have scores that are all exactly equal (for group-relative estimators: zero advantage).
+    Singleton groups are in neither count."""
+    n, _, _, equal = _group_stats(_float_scores(scores), index)  # (B,) each
+    share = torch.where(n > 1, 1.0 / n, torch.zeros_like(n))  # each row holds 1/n of its group
+    return round(float(share.sum())), round(float(torch.where(equal, share, torch.zeros_like(share)).sum()))
+
