@@ -17,7 +17,9 @@ class RewardWorker:
     either stopping the run or scoring ``failure_score``. Besides ``scores`` and the plugin's
     ``reward_extra/<key>`` columns, every batch gets ``reward_extra/failed`` and
     ``reward_extra/failed/<kind>`` (0/1 per response), logged as the ``reward/failed*`` fractions,
-    and ``meta["reward_failures"]`` listing each failed response (index, kind, message).
+    ``meta["reward_failures"]`` listing each failed response (index, kind, message), and
+    ``reward_answer``: per response, the final answer the reward scored (None when the reward does not
+    report answers, or failed on the response), which majority voting in evaluation uses.
     """
 
     def __init__(self, reward_fn: RewardFn, tokenizer: Any, name: str, settings: Any = None) -> None:
@@ -44,4 +46,5 @@ class RewardWorker:
         for key, values in {**out.extra, **out.failure_columns()}.items():
             tensors[f"reward_extra/{key}"] = torch.tensor(values, dtype=torch.float32)
         failures = [{"index": f.index, "kind": f.kind, "message": f.message} for f in out.failures]
-        return Batch(tensors, {"response_text": responses}, {"reward_failures": failures})
+        return Batch(tensors, {"response_text": responses, "reward_answer": list(out.answers)},
+                     {"reward_failures": failures})

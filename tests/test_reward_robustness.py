@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -193,18 +194,43 @@ def test_wrong_count_fail_policy():
         run(["a", "drop", "c"], on_error="fail")
 
 
-def test_a_wrong_type_or_wrong_extra_length_is_wrong_count():
-    out = RewardRunner(lambda b: {"scores": [1.0] * len(b)}, "dicty",
-                       RewardPolicy(on_error="zero")).run(rb(["a", "b"]))
-    assert [f.kind for f in out.failures] == ["wrong_count", "wrong_count"]
-    assert "returned a dict" in out.failures[0].message
-    short_extra = RewardRunner(lambda b: RewardOutput([1.0] * len(b), {"x": [1.0]}), "extra",
-                               RewardPolicy(on_error="zero", failure_score=-1)).run(rb(["a", "b", "c"]))
-    assert short_extra.scores == [1.0, 1.0, 1.0]  # alone, each response's extra has the right length
-    assert short_extra.failures == []
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_malformed_output_is_a_plugin_error_in_both_modes(executor):
+    """Extras of the wrong length, answers of the wrong length or type, a dict instead of scores: the
+    whole call failed (``bad_output``, not retried) under ``zero``, and ``fail`` stops naming the plugin."""
+    calls = []
+
+    def short_extra(batch: RewardBatch) -> RewardOutput:
+        calls.append(len(batch))
+        return RewardOutput([1.0] * len(batch), {"x": [1.0]})  # alone, a response's extra would fit
+
+    policy = {"executor": executor, "timeout_s": 20}
+    out = RewardRunner(short_extra, "extra", RewardPolicy(on_error="zero", failure_score=-1, **policy)).run(
+        rb(["a", "b", "c"]))
+    assert out.scores == [-1.0, -1.0, -1.0]
+    assert [(f.index, f.kind) for f in out.failures] == [(0, "bad_output"), (1, "bad_output"), (2, "bad_output")]
+    assert "extra 'x' has 1 values for 3 responses" in out.failures[0].message
+    if executor == "thread":
+        assert calls == [3]  # not retried one response at a time
+    with pytest.raises(RewardError, match=r"Reward 'extra' failed on response 0 .*bad_output: extra 'x' has 1 "
+                                          r"values for 3 responses \(2 more responses failed too\)"):
+        RewardRunner(short_extra, "extra", RewardPolicy(on_error="fail", **policy)).run(rb(["a", "b", "c"]))
+
+    malformed = {
+        "returned a dict, not a list of scores": lambda b: {"scores": [1.0] * len(b)},
+        "extra 'x' is a float, not a list": lambda b: RewardOutput([1.0] * len(b), {"x": 1.0}),
+        "answers is 1 answers for 2 responses": lambda b: with_answers(RewardOutput([1.0] * len(b)), ["7"]),
+        "an answer is a int (7)": lambda b: with_answers(RewardOutput([1.0] * len(b)), [7] * len(b)),
+    }
+    for message, fn in malformed.items():
+        out = RewardRunner(fn, "bad", RewardPolicy(on_error="zero", **policy)).run(rb(["a", "b"]))
+        assert [f.kind for f in out.failures] == ["bad_output", "bad_output"], message
+        assert message in out.failures[0].message
+        with pytest.raises(RewardError, match=r"bad_output: " + re.escape(message)):
+            RewardRunner(fn, "bad", RewardPolicy(on_error="fail", **policy)).run(rb(["a", "b"]))
 
 
-def test_a_batch_level_failure_that_no_single_response_reproduces_is_reported():
+def test_a_batch_level_failure_that_no_single_response_reproduces_fails_the_call_in_both_modes():
     def needs_pairs(batch: RewardBatch) -> list[float]:
         if len(batch) > 2:
             raise RuntimeError("too many")
@@ -212,8 +238,146 @@ def test_a_batch_level_failure_that_no_single_response_reproduces_is_reported():
 
     with pytest.raises(RewardError, match=r"each of them alone scored fine"):
         RewardRunner(needs_pairs, "pairs", RewardPolicy(on_error="fail")).run(rb(["a", "b", "c"]))
-    out = RewardRunner(needs_pairs, "pairs", RewardPolicy(on_error="zero")).run(rb(["a", "b", "c"]))
-    assert out.scores == [1.0, 1.0, 1.0] and out.failures == []
+    out = RewardRunner(needs_pairs, "pairs", RewardPolicy(on_error="zero", failure_score=-1)).run(rb(["a", "b", "c"]))
+    assert out.scores == [-1.0, -1.0, -1.0]
+    assert [(f.index, f.kind) for f in out.failures] == [(0, "exception"), (1, "exception"), (2, "exception")]
+    assert "RuntimeError: too many" in out.failures[0].message and "alone scored fine" in out.failures[0].message
+
+
+def with_answers(out: RewardOutput, answers: list) -> RewardOutput:
+    out.answers = answers  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_answers_pass_through_and_failed_responses_have_none(executor):
+    def answering(batch: RewardBatch) -> RewardOutput:
+        if "boom" in batch.responses:
+            raise ValueError("boom")
+        return with_answers(RewardOutput([1.0] * len(batch)), [r.upper() if r != "none" else None
+                                                               for r in batch.responses])
+
+    policy = RewardPolicy(on_error="zero", executor=executor, timeout_s=20)
+    out = RewardRunner(answering, "ans", policy).run(rb(["a", "none", "boom", "é"]))
+    assert out.answers == ["A", None, None, "É"]
+    assert [(f.index, f.kind) for f in out.failures] == [(2, "exception")]
+    plain = RewardRunner(lambda b: [1.0] * len(b), "plain", policy).run(rb(["a", "b"]))
+    assert plain.answers == [None, None]
+
+
+# -- the process executor sends JSON, never a pickle ------------------------------------------------
+MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / f"rlx-unpickled-{os.getpid()}"
+
+
+def _plant(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+
+
+class Planted:
+    """An object that runs code wherever it is unpickled."""
+
+    def __reduce__(self):
+        return (_plant, (str(MARKER),))
+
+    def __repr__(self) -> str:
+        return "<Planted>"
+
+
+def test_process_executor_never_unpickles_what_the_child_sends():
+    MARKER.unlink(missing_ok=True)
+
+    def planted(batch: RewardBatch) -> RewardOutput:
+        return RewardOutput([Planted(), 1.0], {"x": [Planted(), 2.0]})  # type: ignore[list-item]
+
+    out = RewardRunner(planted, "planted", RewardPolicy(on_error="zero", executor="process", timeout_s=20)).run(
+        rb(["a", "b"]))
+    assert not MARKER.exists(), "a value sent by the worker process was unpickled in the trainer"
+    assert [(f.index, f.kind) for f in out.failures] == [(0, "invalid")]
+    assert "returned the score <Planted>" in out.failures[0].message
+    assert out.scores == [0.0, 1.0] and out.extra == {"x": [0.0, 2.0]}
+
+    def planted_answer(batch: RewardBatch) -> RewardOutput:
+        return with_answers(RewardOutput([1.0] * len(batch)), [Planted()] * len(batch))
+
+    out = RewardRunner(planted_answer, "planted", RewardPolicy(on_error="zero", executor="process",
+                                                               timeout_s=20)).run(rb(["a"]))
+    assert not MARKER.exists()
+    assert [f.kind for f in out.failures] == ["bad_output"]
+
+
+def test_garbage_from_the_worker_process_is_a_failed_call():
+    import pickle
+
+    from rlx.reward_runner import decode_outcome
+
+    good = b'{"ok": true, "scores": [1.0, null], "invalid": [[1, "returned the score nan"]], "extra": {"x": [1, 2]}, ' \
+           b'"answers": ["7", null]}'
+    ok = decode_outcome(good, 2)
+    assert ok.ok and ok.value.scores == [1.0, None] and ok.value.extra == {"x": [1.0, 2.0]}
+    assert ok.value.invalid == {1: "returned the score nan"} and ok.value.answers == ["7", None]
+    garbage = [
+        pickle.dumps(Planted()),  # a pickle is not JSON: refused, never loaded
+        b"\xff\xfe not json",
+        b"[1.0, 2.0]",
+        b'{"ok": true, "scores": [1.0], "invalid": [], "extra": {}, "answers": null}',  # one score for two
+        b'{"ok": true, "scores": [NaN, 1.0], "invalid": [], "extra": {}, "answers": null}',
+        b'{"ok": true, "scores": [1.0, null], "invalid": [], "extra": {}, "answers": null}',  # a null unexplained
+        b'{"ok": true, "scores": [1.0, 2.0], "invalid": [], "extra": {"x": [Infinity, 1]}, "answers": null}',
+        b'{"ok": true, "scores": [1.0, 2.0], "invalid": [], "extra": {}, "answers": [1, 2]}',
+        b'{"ok": true, "scores": [true, 2.0], "invalid": [], "extra": {}, "answers": null}',
+        b'{"ok": false, "kind": "whatever", "message": "x"}',
+        b"[" * 100000 + b"]" * 100000,
+    ]
+    for data in garbage:
+        out = decode_outcome(data, 2)
+        assert not out.ok and out.kind == "bad_output", data[:80]
+        assert "not a reward result" in out.message
+    assert not MARKER.exists()
+
+
+def test_a_result_over_the_size_limit_is_a_failed_call(monkeypatch):
+    import rlx.reward_runner as rr
+
+    monkeypatch.setattr(rr, "RESULT_BYTES_BASE", 1000)
+    monkeypatch.setattr(rr, "RESULT_BYTES_PER_RESPONSE", 100)
+
+    def wordy(batch: RewardBatch) -> RewardOutput:
+        return with_answers(RewardOutput([1.0] * len(batch)), ["x" * 10**6] * len(batch))
+
+    start = time.perf_counter()
+    out = RewardRunner(wordy, "wordy", RewardPolicy(on_error="zero", executor="process", timeout_s=20)).run(
+        rb(["a", "b"]))
+    assert time.perf_counter() - start < 10
+    assert [f.kind for f in out.failures] == ["bad_output", "bad_output"]
+    assert "more than 1200 bytes" in out.failures[0].message
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_timed_out_process_call_takes_the_programs_it_started_with_it(tmp_path):
+    pid_file = tmp_path / "pid"
+
+    def starts_a_program(batch: RewardBatch) -> list[float]:
+        proc = subprocess.Popen(["sleep", "60"])
+        pid_file.write_text(str(proc.pid))
+        time.sleep(60)
+        return [1.0] * len(batch)
+
+    out = RewardRunner(starts_a_program, "prog", RewardPolicy(on_error="zero", executor="process",
+                                                              timeout_s=1.5)).run(rb(["a"]))
+    assert [f.kind for f in out.failures] == ["timeout"]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the program the reward started outlived the killed call"
 
 
 # -- parallelism and order -----------------------------------------------------------------------
@@ -280,6 +444,7 @@ def test_reward_worker_keeps_its_contract_and_flags_failures(tok):
     out = worker.score(generated(tok, responses))
     assert out["scores"].tolist() == [1.0, -1.0, 3.0, -1.0]
     assert out["response_text"] == responses
+    assert out["reward_answer"] == [None] * 4  # Flaky reports no answers
     assert out["reward_extra/failed"].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert out["reward_extra/failed/exception"].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert out["reward_extra/failed/invalid"].tolist() == [0.0, 0.0, 0.0, 1.0]
