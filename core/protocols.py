@@ -251,6 +251,9 @@ class RunInfo:
     experiment: str
     config: dict[str, Any]
     resumed: bool = False
+    # The step of the checkpoint a resumed run continues from: records logged past it by the interrupted
+    # run are replaced by the resumed run's own (loggers that can rewrite their output drop them).
+    resumed_step: int = 0
 
 
 @runtime_checkable

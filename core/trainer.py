@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ from rlx import checkpoint
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.data import PromptLoader, collate, load_prompts, resolve_path
-from rlx.errors import UserError
+from rlx.errors import UserError, describe_exception
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager
 from rlx.validate import Resolved
@@ -82,7 +82,7 @@ class Trainer:
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume_from = self._find_resume()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.make_dir(self.run_dir, private=True)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
 
@@ -106,23 +106,38 @@ class Trainer:
         # One greedy response per prompt, for algorithms whose baseline is its score (ReMax).
         self.greedy_sampling = dataclasses.replace(self.sampling, n=1, temperature=0.0, greedy=True)
 
+        resumed_step = checkpoint.read_state(self.resume_from)["step"] if self.resume_from is not None else 0
         run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
-                      self.config_dict, resumed=self.resume_from is not None)
+                      self.config_dict, resumed=self.resume_from is not None, resumed_step=resumed_step)
         self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
         self._build_roles()
-        self.loggers = [self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers]
+        self.loggers = {name: self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers}
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
 
     # -- set-up -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
+        """The newest checkpoint whose files are all as they were written (``checkpoint.verify``).
+
+        A damaged newer checkpoint is named and skipped; if checkpoints exist but none verifies, the run
+        stops rather than start over in a folder that holds a run.
+        """
         mode = self.cfg.trainer.resume
-        last = checkpoint.latest(self.ckpt_root)
+        last, rejected = checkpoint.latest_verified(self.ckpt_root)
+        for path, why in rejected:
+            print(f"Warning: checkpoint {path.name} cannot be trusted ({why}); "
+                  + (f"using {last.name} instead." if last is not None else "skipping it."), file=sys.stderr)
+        if last is None and rejected and mode != "never":
+            raise UserError(f"{self.ckpt_root} holds checkpoints, but none can be trusted: "
+                            + "; ".join(f"{p.name}: {why}" for p, why in rejected) + ".",
+                            "Delete the damaged checkpoint folders to start over, or choose another "
+                            "trainer.output_dir or trainer.experiment.")
         if mode == "must" and last is None:
             raise UserError(f"--resume was asked for, but {self.ckpt_root} holds no complete checkpoint.",
                             "Check trainer.output_dir (and trainer.project/experiment).")
-        if mode == "never" and last is not None:
-            raise UserError(f"{self.run_dir} already holds checkpoints (latest {last.name}); a new run would "
+        if mode == "never" and (last is not None or rejected):
+            name = (last or rejected[0][0]).name
+            raise UserError(f"{self.run_dir} already holds checkpoints (latest {name}); a new run would "
                             "overwrite them.",
                             "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
         return last
@@ -204,8 +219,8 @@ class Trainer:
                 self.save_hf(self.run_dir / "hf_model")
             self.pm.hook.rlx_on_train_end(step=self.step, metrics=metrics)
         finally:
-            for lg in self.loggers:
-                lg.finish()
+            for name in list(self.loggers):
+                self._call_logger(name, "finish")
             self.launcher.shutdown()
         return metrics
 
@@ -286,6 +301,9 @@ class Trainer:
         if not getattr(alg, "filter_groups", False):
             return self._generate_scored(examples, timer), {}
         target, limit = self.cfg.data.train_batch_size, int(getattr(alg, "max_num_gen_batches", 0))
+        # "No limit" still ends: after a whole pass over the training prompts the step trains on what it
+        # kept, or, if every group of that pass scored the same, the run stops with a message.
+        pass_size = self.loader.batches_per_epoch()
         kept: list[Batch] = []
         all_scores: list[torch.Tensor] = []
         kept_groups = seen_groups = gen_batches = 0
@@ -300,6 +318,15 @@ class Trainer:
                 kept.append(part)
                 kept_groups += int(part["group_index"].unique().numel())
             if kept_groups >= target or (limit and gen_batches >= limit):
+                break
+            if not limit and gen_batches >= pass_size:
+                if not kept_groups:
+                    raise UserError(
+                        f"Dynamic sampling found no prompt whose {self.sampling.n} responses got different "
+                        f"rewards in a whole pass over the training data ({gen_batches} generation batches): "
+                        "there is no signal to train on.",
+                        "The task is too easy or too hard for the model (or the reward is constant): check the "
+                        "reward on a few samples, or turn dynamic sampling off (algorithm.filter_groups=false).")
                 break
             examples = self._next_examples()
         scores = torch.cat(all_scores)
@@ -354,12 +381,23 @@ class Trainer:
         rows = [{"prompt": batch["prompt_text"][i], "response": batch["response_text"][i],
                  "ground_truth": batch["ground_truth"][i], "reward": float(batch["scores"][i])}
                 for i in range(min(k, len(batch)))]
-        for lg in self.loggers:
-            lg.log_samples(rows, self.step)
+        for name in list(self.loggers):
+            self._call_logger(name, "log_samples", rows, self.step)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
-        for lg in self.loggers:
-            lg.log(metrics, step)
+        for name in list(self.loggers):
+            self._call_logger(name, "log", metrics, step)
+
+    def _call_logger(self, name: str, method: str, *args: Any) -> None:
+        """A logger that raises is reported and switched off; the run and the other loggers go on
+        (metrics.jsonl, when on, still holds every step)."""
+        try:
+            getattr(self.loggers[name], method)(*args)
+        except Exception as exc:
+            del self.loggers[name]
+            print(f"Warning: logger {name!r} failed in {method} at step {self.step} ({describe_exception(exc)}); "
+                  f"it is switched off for the rest of the run. Still logging to: "
+                  f"{', '.join(self.loggers) or 'nothing'}.", file=sys.stderr)
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -413,6 +451,7 @@ class Trainer:
     def save_hf(self, target: Path) -> None:
         """Write the final policy in Hugging Face format, atomically (temp folder, then rename)."""
         tmp = target.with_name(f".tmp-{target.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint.remove_tree(tmp)  # a planted link is removed, never followed
+        checkpoint.make_dir(tmp)
         self.actor.call_all("save_pretrained", str(tmp), self.tokenizer)
         checkpoint.replace_dir(tmp, target)

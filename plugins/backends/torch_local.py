@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from rlx.batch import Batch
 
 
+MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optim.pt", "rng.pt"
+
+
 class TorchBackendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
@@ -37,6 +40,14 @@ def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """``model.dtype=auto``: float32 on the CPU (where bfloat16 is slow and already makes the reference
+    and the policy disagree before any update), bfloat16 on a GPU."""
+    if name != "auto":
+        return name
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def lr_lambda(spec: RoleSpec):
@@ -144,7 +155,7 @@ class TorchWorker:
         # Mixed precision: a trainable role keeps float32 master weights (AdamW on bf16 weights loses
         # small updates) and runs its forward passes under autocast in model.dtype on a GPU; a frozen
         # role (the reference) is simply loaded in model.dtype.
-        self.compute_dtype = getattr(torch, spec.dtype)
+        self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
         dtype = torch.float32 if spec.trainable else self.compute_dtype
         if spec.value_head:
             self.model = load_value_model(spec, dtype, options.attn_implementation).to(self.device)
@@ -268,27 +279,53 @@ class TorchWorker:
             yield name, tensor.detach()
 
     def save_checkpoint(self, path: str) -> None:
+        """Model weights as safetensors; optimizer, scheduler and RNG states as tensor files that load
+        with ``weights_only=True`` (no pickled objects), so resuming never runs code from a file."""
         import torch
+        from safetensors.torch import save_model
 
         os.makedirs(path, exist_ok=True)
-        torch.save(self.model.state_dict(), os.path.join(path, "model.pt"))
+        save_model(self.model, os.path.join(path, MODEL_FILE))
         if self.optimizer is not None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       os.path.join(path, "optim.pt"))
+                       os.path.join(path, OPTIM_FILE))
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   os.path.join(path, "rng.pt"))
+                   os.path.join(path, RNG_FILE))
 
     def load_checkpoint(self, path: str) -> None:
         import torch
 
-        self.model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=self.device))
-        optim_path = os.path.join(path, "optim.pt")
-        if self.optimizer is not None and os.path.exists(optim_path):
-            state = torch.load(optim_path, map_location=self.device, weights_only=False)
+        from rlx.checkpoint import torch_load
+        from rlx.errors import UserError
+
+        weights = os.path.join(path, MODEL_FILE)
+        if os.path.exists(weights):
+            from safetensors import SafetensorError
+            from safetensors.torch import load_model
+
+            try:
+                missing, unexpected = load_model(self.model, weights, strict=False, device=str(self.device))
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise UserError(f"Cannot load {weights}: {exc}",
+                                "The checkpoint is damaged or belongs to another model; resume from "
+                                "another checkpoint.") from None
+            if missing or unexpected:
+                raise UserError(f"{weights} does not match the {self.spec.role} model: missing "
+                                f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}.",
+                                "Resume with the model the run was started with.")
+        else:  # written by rlx 0.1.0
+            self.model.load_state_dict(torch_load(os.path.join(path, "model.pt"), map_location=self.device))
+        if self.optimizer is not None:
+            optim_path = os.path.join(path, OPTIM_FILE)
+            if not os.path.exists(optim_path):
+                raise UserError(f"{optim_path} is missing: the {self.spec.role}'s optimizer state cannot be "
+                                "restored, and resuming with a fresh optimizer would silently change training.",
+                                "Resume from another checkpoint, or start a new run from the exported model.")
+            state = torch_load(optim_path, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+        rng = torch_load(os.path.join(path, RNG_FILE))
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

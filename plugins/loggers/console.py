@@ -8,6 +8,8 @@ A line looks like::
 (one line on screen, broken here for width).
 
 Only the metrics listed in :data:`LINE_FIELDS` are shown, in that order; missing ones are left out.
+A step that ran validation is always printed, with its accuracy (``val acc``, greedy by default) next to
+the training reward: a reward that rises on partial credit alone shows up there.
 The progress bar is drawn only when stdout is a terminal; in pipes, files and CI the output is the
 plain lines alone.
 """
@@ -71,6 +73,8 @@ LINE_FIELDS: list[tuple[str, str, Callable[[float], str], str]] = [
     ("actor/entropy", "entropy", fmt_number, ""),
     ("actor/grad_norm", "grad", fmt_number, ""),
     ("actor/lr", "lr", _sci, ""),
+    ("val/acc", "val acc", fmt_number, ""),
+    ("val/reward/mean", "val reward", fmt_number, ""),
     ("timing/step", "", fmt_number, "s/step"),
     ("perf/tokens_per_second", "", _int, "tok/s"),
 ]
@@ -126,6 +130,7 @@ class ConsoleLogger:
         self.total: int | None = None
         self.last_step: int | None = None
         self.last_metrics: dict[str, Any] = {}
+        self.last_val_acc: float | None = None
         self.first_step: int | None = None
         self.started = time.monotonic()
         self._progress: Any = None
@@ -178,7 +183,9 @@ class ConsoleLogger:
             self.first_step = step
         self.last_step = step
         self.last_metrics = dict(metrics)
-        if step % self.options.every == 0 or step == self.first_step or step == self.total:
+        self.last_val_acc = _num(metrics, "val/acc") if "val/acc" in metrics else self.last_val_acc
+        validated = any(k.startswith("val/") for k in metrics)
+        if step % self.options.every == 0 or step == self.first_step or step == self.total or validated:
             self._print(format_line(metrics, step, self.total))
         self._update_bar(step)
 
@@ -206,6 +213,8 @@ class ConsoleLogger:
         mean = _num(self.last_metrics, "reward/mean")
         if mean is not None:
             parts.append(f"final reward {fmt_number(mean)}")
+        if self.last_val_acc is not None:
+            parts.append(f"last validation acc {fmt_number(self.last_val_acc)}")
         elapsed = time.monotonic() - self.started
         minutes, seconds = divmod(int(elapsed), 60)
         parts.append(f"{minutes}m{seconds:02d}s" if minutes else f"{elapsed:.1f}s")

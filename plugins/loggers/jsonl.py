@@ -15,9 +15,9 @@ line, one line per ``log`` call, in the order they were logged::
   written at the moment of the crash can be cut short, and :func:`read_metrics` skips such a last
   line.
 - A fresh run that finds an old file moves it aside to ``<filename>.prev-<YYYYmmdd-HHMMSS>``
-  and starts a new one. A resumed run appends to the existing file; steps logged after the last
-  checkpoint of the interrupted run then appear twice (the later line is the one of the resumed
-  run; ``read_metrics(path, dedupe=True)`` keeps only that one).
+  and starts a new one. A resumed run first drops the lines of steps after the checkpoint it resumes
+  from (the interrupted run logged them, the resumed run logs them again), rewriting the file
+  atomically, then appends: the file holds each step once.
 
 ``<output_dir>/samples.jsonl`` (the ``samples_filename`` option) holds the rows passed to
 ``log_samples``, one object per row: ``{"step": 12, "time": ..., "prompt": ..., "response": ...,
@@ -101,16 +101,39 @@ def _move_aside(path: Path) -> None:
     os.replace(path, target)
 
 
+def _drop_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` without the records of steps after ``step`` (and without a line cut short by a
+    crash), atomically: a temporary file is written, flushed and renamed over the old one."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("step"), int) and obj["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class JsonlLogger:
     """Appends one JSON object per ``log`` call to ``<output_dir>/<filename>``; see the module doc."""
 
     def __init__(self, metrics_path: str | os.PathLike[str], samples_path: str | os.PathLike[str],
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, resumed_step: int = 0) -> None:
         self.path = Path(metrics_path)
         self.samples_path = Path(samples_path)
         for p in (self.path, self.samples_path):
             p.parent.mkdir(parents=True, exist_ok=True)
-            if not resumed:
+            if resumed:
+                _drop_after(p, resumed_step)
+            else:
                 _move_aside(p)
 
     @staticmethod
@@ -149,8 +172,8 @@ def read_metrics(path: str | os.PathLike[str], dedupe: bool = False) -> list[dic
     ``path`` is the ``.jsonl`` file, or a run's output folder (then its ``metrics.jsonl`` is read).
     Values are as stored: floats, or None where the metric was NaN or infinite. Blank lines are
     skipped, and so is a last line cut short by a crash; any other malformed line is an error.
-    With ``dedupe=True`` only the last record of each step is kept (a resumed run may log a step
-    twice) and the result is sorted by step.
+    With ``dedupe=True`` only the last record of each step is kept (files written by rlx 0.1.0 could
+    hold a step twice after a resume) and the result is sorted by step.
     """
     p = Path(path)
     if p.is_dir():
@@ -182,7 +205,8 @@ def read_metrics(path: str | os.PathLike[str], dedupe: bool = False) -> list[dic
 def build(options: JsonlOptions | None, ctx: BuildContext) -> JsonlLogger:
     options = options or JsonlOptions()
     out = Path(ctx.run.output_dir)
-    return JsonlLogger(out / options.filename, out / options.samples_filename, resumed=ctx.run.resumed)
+    return JsonlLogger(out / options.filename, out / options.samples_filename, resumed=ctx.run.resumed,
+                       resumed_step=ctx.run.resumed_step)
 
 
 @hookimpl

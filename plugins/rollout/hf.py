@@ -36,10 +36,10 @@ class HFRollout:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from rlx.plugins.backends.torch_local import pick_device
+        from rlx.plugins.backends.torch_local import pick_device, resolve_dtype
 
         self.device = pick_device(device)
-        name = options.dtype if options.dtype != "auto" else ("float32" if self.device == "cpu" else "bfloat16")
+        name = resolve_dtype(options.dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, name), trust_remote_code=trust_remote_code,
             attn_implementation=options.attn_implementation,
