@@ -15,8 +15,12 @@ A response is *correct* when its reward reports so: an extra value whose last na
 routed and mixed rewards work) is above 0.5. A reward without one counts a response as correct when
 its score is at least ``threshold`` (1.0 by default). A response whose reward failed is not correct.
 
-The final answer used for voting is the content of the last ``\\boxed{}``, else the number after
-the last ``####``, else the last number in the response (responses without one do not vote).
+Majority voting uses the answer the reward scored, so that maj@1 equals acc: a reward reports it per
+response through ``RewardOutput.answers`` (``gsm8k``, ``math``, ``router``, ``mix`` and ``custom`` do; the
+reward worker passes it on as ``reward_answer``). For a response whose reward reports no answer, the
+fallback is :func:`extract_answer` (the content of the last ``\\boxed{}``, else the number after the last
+``####``, else the last number), and when that finds none, the response's whole text (stripped). Every
+response votes; on a tie, an answer beats a bare text, then the answer seen first wins.
 
 :func:`evaluate` generates and scores with any ``generate``/``score`` callables (the trainer passes its
 worker groups, ``rlx eval`` its own engine); :func:`summarize` turns the records into the metrics.
@@ -124,6 +128,11 @@ def correctness(scores: Sequence[float], extras: dict[str, Sequence[float]], thr
 
 
 # -- metrics --------------------------------------------------------------------------------------
+def vote(record: SampleRecord) -> tuple[str, str]:
+    """What a response votes for: its answer, or without one its whole text (so every response votes)."""
+    return ("answer", record.answer) if record.answer is not None else ("text", record.response.strip())
+
+
 def _group_metrics(records: list[SampleRecord], ks: Iterable[int] | None) -> dict[str, float]:
     by_prompt: dict[int, list[SampleRecord]] = {}
     for r in records:
@@ -142,10 +151,9 @@ def _group_metrics(records: list[SampleRecord], ks: Iterable[int] | None) -> dic
                                  for v in by_prompt.values()) / len(by_prompt)
     maj = 0
     for samples in by_prompt.values():
-        votes = Counter(r.answer for r in samples if r.answer is not None)
-        if votes:
-            winner = votes.most_common(1)[0][0]
-            maj += any(r.correct for r in samples if r.answer == winner)
+        votes = Counter(vote(r) for r in samples)
+        winner = max(votes, key=lambda key: (votes[key], key[0] == "answer"))  # the first of equals wins
+        maj += any(r.correct for r in samples if vote(r) == winner)
     m[f"maj@{n}"] = maj / len(by_prompt)
     return m
 
@@ -176,14 +184,19 @@ def flatten(summary: dict[str, dict[str, float]], prefix: str = "val") -> dict[s
 
 # -- generation and scoring -----------------------------------------------------------------------
 def records_from(scored: Batch, *, first_prompt: int, n: int, threshold: float = 1.0) -> list[SampleRecord]:
-    """Records of a generated-and-scored batch whose rows are n samples per prompt, prompt after prompt."""
+    """Records of a generated-and-scored batch whose rows are n samples per prompt, prompt after prompt.
+
+    A record's ``answer`` is the reward's (``reward_answer``), else the one :func:`extract_answer` finds.
+    """
     scores = [float(s) for s in scored["scores"].tolist()]
     extras = {k.split("/", 1)[1]: scored[k].tolist() for k in scored.tensors if k.startswith("reward_extra/")}
     ok = correctness(scores, extras, threshold)
     texts = scored["response_text"] if "response_text" in scored else [""] * len(scores)
     prompts = scored["prompt_text"] if "prompt_text" in scored else [""] * len(scores)
     truths = scored["ground_truth"] if "ground_truth" in scored else [None] * len(scores)
-    return [SampleRecord(first_prompt + i // n, scored["data_source"][i], scores[i], ok[i], extract_answer(texts[i]),
+    scored_answers = scored["reward_answer"] if "reward_answer" in scored else [None] * len(scores)
+    answers = [a if a is not None else extract_answer(t) for a, t in zip(scored_answers, texts)]
+    return [SampleRecord(first_prompt + i // n, scored["data_source"][i], scores[i], ok[i], answers[i],
                          prompts[i], texts[i], truths[i])
             for i in range(len(scores))]
 

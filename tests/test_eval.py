@@ -18,6 +18,7 @@ from rlx.evaluation import (
     extract_answer,
     flatten,
     pass_at_k,
+    records_from,
     summarize,
 )
 
@@ -106,6 +107,96 @@ def test_summarize_per_source_and_overall():
     assert summarize([]) == {}
 
 
+def test_maj_at_1_equals_acc_whatever_the_answers():
+    """With one response per prompt the vote is that response, so maj@1 is acc: also when the response
+    has no answer to extract (a reward that judges the whole text, say)."""
+    records = [rec(0, "a", 1.0, True, None), rec(1, "a", 0.0, False, None), rec(2, "a", 1.0, True, "4"),
+               rec(3, "b", 0.0, False, "5"), rec(4, "b", 1.0, True, None)]
+    for source, m in summarize(records).items():
+        assert m["maj@1"] == pytest.approx(m["acc"]), source
+    # Responses without answers vote with their text; identical texts agree, and an answer wins a tie.
+    texts = [SampleRecord(0, "a", 1.0, True, None, response="yes"), SampleRecord(0, "a", 1.0, True, None,
+             response=" yes "), SampleRecord(0, "a", 0.0, False, "3"), SampleRecord(0, "a", 0.0, False, None,
+             response="no")]
+    assert summarize(texts)["a"]["maj@4"] == 1.0
+    assert summarize(texts[2:])["a"]["maj@2"] == 0.0  # "3" (an answer) beats the text "no" at one vote each
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer over all 256 bytes, so any text survives encoding and decoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["#### 72"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def scored_by(reward: str, responses: list[str], truth: str, source: str):
+    """Responses of one prompt scored by a real reward through the reward worker, as evaluation does."""
+    import torch
+
+    from rlx.batch import Batch
+    from rlx.registry import get_plugin_manager
+    from rlx.workers import RewardWorker
+
+    tok = byte_tokenizer()
+    ids = [tok(r, add_special_tokens=False)["input_ids"] for r in responses]
+    width = max(len(i) for i in ids)
+    resp = torch.full((len(ids), width), tok.pad_token_id)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, seq in enumerate(ids):
+        resp[row, :len(seq)] = torch.tensor(seq)
+        mask[row, :len(seq)] = 1
+    n = len(responses)
+    batch = Batch({"responses": resp, "response_mask": mask},
+                  {"prompt_text": ["q"] * n, "ground_truth": [truth] * n, "data_source": [source] * n,
+                   "extra_info": [{}] * n})
+    fn = get_plugin_manager().get("reward", reward).load_factory()(None, None)
+    batch.update(RewardWorker(fn, tok, reward).score(batch))
+    assert batch["response_text"] == responses
+    return records_from(batch, first_prompt=0, n=n)
+
+
+def test_the_vote_uses_the_answer_the_reward_scored():
+    # gsm8k scores the number after ####; a \boxed{} elsewhere in the text must not decide the vote.
+    responses = ["#### 72", "#### 72.00", "\\boxed{9} #### 8", "\\boxed{9} #### 7", "\\boxed{9} #### 6"]
+    records = scored_by("router", responses, "72", "openai/gsm8k")
+    assert [r.answer for r in records] == ["72", "72", "8", "7", "6"]
+    assert [r.correct for r in records] == [True, True, False, False, False]
+    assert summarize(records)["all"]["maj@5"] == 1.0  # "72" (twice) wins; the boxed 9s are not the answers
+    one = scored_by("gsm8k", ["\\boxed{9} #### 72"], "72", "openai/gsm8k")
+    assert summarize(one)["all"]["maj@1"] == summarize(one)["all"]["acc"] == 1.0
+    # math: equal values in different spellings are one answer.
+    records = scored_by("math", ["\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", "\\boxed{3}", "\\boxed{3.0}",
+                                 "\\boxed{ 3 }"], "\\frac12", "math")
+    assert [r.answer for r in records] == ["1/2", "1/2", "3", "3", "3"]
+    assert summarize(records)["all"]["maj@5"] == 0.0
+
+
+def test_composite_and_custom_rewards_report_the_answers_they_scored(tmp_path):
+    from rlx.plugins.rewards.custom import CustomOptions
+    from rlx.plugins.rewards.custom import build as build_custom
+    from rlx.plugins.rewards.mix import MixOptions
+    from rlx.plugins.rewards.mix import build as build_mix
+    from rlx.protocols import RewardBatch
+    from rlx.reward_runner import RewardRunner
+
+    batch = RewardBatch(["q"] * 3, ["#### 1,200", "\\boxed{7} #### 5", "no answer"], ["1200", "5", "1"],
+                        ["gsm8k"] * 3, [{}] * 3)
+    mix = build_mix(MixOptions.model_validate({"components": [{"name": "format"}, {"name": "gsm8k"}]}), None)
+    assert RewardRunner(mix, "mix").run(batch).answers == ["1200", "5", None]
+    verl_style = tmp_path / "verl_style.py"
+    verl_style.write_text("def compute_score(solution_str, ground_truth):\n"
+                          "    pred = solution_str.split()[-1]\n"
+                          "    return {'score': float(pred == ground_truth), 'acc': 1.0, 'pred': pred}\n")
+    custom = build_custom(CustomOptions(path=str(verl_style)), None)
+    assert RewardRunner(custom, "custom").run(batch).answers == ["1,200", "5", "answer"]
+
+
 def test_flatten_names_metrics_like_the_training_logs():
     flat = flatten(summarize(RECORDS), prefix="val")
     assert flat["val/acc"] == pytest.approx(3 / 9)
@@ -156,6 +247,7 @@ def test_eval_json_flag_and_errors(eval_run, tmp_path):
     result = json.loads(proc.stdout)
     assert result["n"] == 1 and result["reward"] == "arith" and set(result["metrics"]) == {"rlx/arith", "all"}
     assert set(result["metrics"]["all"]) == {"prompts", "samples", "acc", "mean@1", "reward/mean", "pass@1", "maj@1"}
+    assert result["metrics"]["all"]["maj@1"] == result["metrics"]["all"]["acc"]
     missing = rlx("eval", "--model", "builtin:tiny-qwen2", "--data", "nope.parquet", cwd=tmp_path)
     assert missing.returncode == 2 and "--data nope.parquet: no such file" in missing.stderr
     assert "Traceback" not in missing.stderr

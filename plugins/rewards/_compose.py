@@ -19,9 +19,22 @@ from rlx.errors import ConfigError, UserError, describe_exception, did_you_mean
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext
+    from rlx.protocols import RewardOutput
     from rlx.registry import PluginManager
 
 _STANDARD_ERRORS = frozenset(typing.get_args(core_schema.ErrorType))
+
+
+def with_answers(output: RewardOutput, answers: list[str | None] | None) -> RewardOutput:
+    """``output`` carrying the final answer the reward scored in each response (``RewardOutput.answers``;
+    None where it found none), which majority voting uses."""
+    output.answers = answers  # type: ignore[attr-defined]
+    return output
+
+
+def answers_of(output: Any) -> list[str | None] | None:
+    """The answers a reward's output reports, or None (a plain list of scores, or a reward without them)."""
+    return getattr(output, "answers", None)
 
 
 def plugin_manager(info: ValidationInfo | None = None) -> PluginManager:

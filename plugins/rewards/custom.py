@@ -9,7 +9,8 @@ The function scores one response. It declares the arguments it wants, by name, f
 ``extra_info``, ``prompt`` and ``response_length``; ``reward.kwargs`` adds fixed keyword arguments.
 verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` works as it is.
 It returns a number, or a dict with a ``score`` and other numbers that are logged as
-``reward/custom/<key>``.
+``reward/custom/<key>``; a string under ``answer`` (or ``pred``, verl's name) is the final answer the
+function scored, which majority voting in evaluation uses.
 
 With ``batched: true`` the function is called once per call with the whole
 :class:`~rlx.protocols.RewardBatch` and returns a list of scores or a
@@ -33,6 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rlx import Component, hookimpl
 from rlx.errors import UserError
 from rlx.protocols import RewardBatch, RewardOutput
+
+from ._compose import with_answers
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext
@@ -127,6 +130,7 @@ def build(options: CustomOptions, ctx: BuildContext | None) -> Callable[[RewardB
         lengths = batch.response_lengths if len(batch.response_lengths) == n else [0] * n
         scores: list[float] = []
         extra: dict[str, list[float]] = {}
+        answers: list[str | None] = [None] * n
         for i in range(n):
             values = {"response": batch.responses[i], "solution_str": batch.responses[i],
                       "ground_truth": batch.ground_truths[i], "data_source": batch.data_sources[i],
@@ -138,9 +142,11 @@ def build(options: CustomOptions, ctx: BuildContext | None) -> Callable[[RewardB
                 for key, value in result.items():
                     if key != "score" and isinstance(value, (int, float)):
                         extra.setdefault(f"custom/{key}", [0.0] * n)[i] = float(value)
+                answer = result.get("answer", result.get("pred"))
+                answers[i] = answer if isinstance(answer, str) else None
                 result = result["score"]
             scores.append(result)
-        return RewardOutput(scores, extra)
+        return with_answers(RewardOutput(scores, extra), answers if any(a is not None for a in answers) else None)
 
     return custom_reward
 

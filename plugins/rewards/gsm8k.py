@@ -21,6 +21,8 @@ from rlx.components import Component
 from rlx.hookspecs import hookimpl
 from rlx.protocols import RewardBatch, RewardOutput
 
+from ._compose import with_answers
+
 if TYPE_CHECKING:
     from rlx.context import BuildContext
 
@@ -93,6 +95,16 @@ def answers_match(pred: Any, truth: Any) -> bool:
     return pred_s == truth_s
 
 
+def canonical_answer(answer: str | None) -> str | None:
+    """An extracted answer in one spelling per number (``"18.00"`` and ``"18"`` give ``"18"``), for voting."""
+    if answer is None:
+        return None
+    number = _as_number(answer)
+    if number is None:
+        return answer.strip()
+    return "0" if number == 0 else format(number.normalize(), "f")
+
+
 def _truth_answer(ground_truth: Any) -> Any:
     """The answer part of a ground truth; a full GSM8K solution (``... #### 72``) gives ``"72"``."""
     if isinstance(ground_truth, str) and _MARKER in ground_truth:
@@ -109,24 +121,26 @@ def _score(
     fallback_flexible: bool,
     format_score: float,
     correct_score: float,
-) -> tuple[float, bool, bool]:
-    """``(score, strict answer found, correct)`` for one response."""
+) -> tuple[float, bool, bool, str | None]:
+    """``(score, strict answer found, correct, the answer that was scored)`` for one response."""
     truth = _truth_answer(ground_truth)
     strict = extract_answer(response, "strict")
     found = strict is not None
     if method == "flexible":
-        correct = answers_match(extract_answer(response, "flexible"), truth)
-        return (correct_score if correct else 0.0), found, correct
+        answer = extract_answer(response, "flexible")
+        correct = answers_match(answer, truth)
+        return (correct_score if correct else 0.0), found, correct, answer
     if method != "strict":
         raise ValueError(f"method must be 'strict' or 'flexible'; got {method!r}")
     if found:
         correct = answers_match(strict, truth)
-        return (correct_score if correct else format_score), found, correct
+        return (correct_score if correct else format_score), found, correct, strict
     if fallback_flexible:
         # No usable ``####`` answer: the last number may still be right, but earns no format credit.
-        correct = answers_match(extract_answer(response, "flexible"), truth)
-        return (correct_score if correct else 0.0), found, correct
-    return 0.0, found, False
+        answer = extract_answer(response, "flexible")
+        correct = answers_match(answer, truth)
+        return (correct_score if correct else 0.0), found, correct, answer
+    return 0.0, found, False, None
 
 
 def compute_score(
@@ -168,7 +182,8 @@ class Gsm8kOptions(BaseModel):
 
 
 def build(options: Gsm8kOptions | None, ctx: BuildContext | None) -> Callable[[RewardBatch], RewardOutput]:
-    """The reward function: scores each response against ``batch.ground_truths[i]``."""
+    """The reward function: scores each response against ``batch.ground_truths[i]``; its answers are the
+    numbers it compared (in :func:`canonical_answer` form), for majority voting."""
     opts = options if options is not None else Gsm8kOptions()
 
     def reward(batch: RewardBatch) -> RewardOutput:
@@ -179,15 +194,17 @@ def build(options: Gsm8kOptions | None, ctx: BuildContext | None) -> Callable[[R
         scores: list[float] = []
         strict_found: list[float] = []
         correct: list[float] = []
+        answers: list[str | None] = []
         for response, truth in zip(batch.responses, batch.ground_truths, strict=True):
-            score, found, ok = _score(
+            score, found, ok, answer = _score(
                 response, truth, opts.method, opts.fallback_flexible, opts.format_score, opts.correct_score
             )
             scores.append(float(score))
             strict_found.append(1.0 if found else 0.0)
             correct.append(1.0 if ok else 0.0)
+            answers.append(canonical_answer(answer))
         extra = {"gsm8k/strict_found": strict_found, "gsm8k/correct": correct}
-        return RewardOutput(scores=scores, extra=extra)
+        return with_answers(RewardOutput(scores=scores, extra=extra), answers)
 
     return reward
 

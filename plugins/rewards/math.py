@@ -11,7 +11,8 @@ box holds the answer) for mathematical equivalence:
   as strings, then as numbers (fractions, decimals, thousands separators).
 
 A correct answer scores ``correct_score``; a boxed wrong answer ``format_score``; no box 0.0.
-``math/correct`` and ``math/boxed`` are logged beside the score.
+``math/correct`` and ``math/boxed`` are logged beside the score. The reward's answers (for majority voting)
+are the boxed answers, normalised, with numbers as exact fractions (``0.5`` and ``\\frac{1}{2}`` give ``1/2``).
 
 >>> from rlx.protocols import RewardBatch
 >>> fn = build(MathOptions(backend="builtin"), None)
@@ -34,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.answers import last_boxed
 from rlx.protocols import RewardBatch, RewardOutput
+
+from ._compose import with_answers
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext
@@ -104,6 +107,15 @@ def _value(s: str) -> Fraction | None:
     except (ValueError, ZeroDivisionError):
         return None
     return None
+
+
+def canonical_answer(pred: str | None) -> str | None:
+    """One spelling per answer for majority voting: the normalised text, or a number's exact value."""
+    if pred is None:
+        return None
+    text = normalize(pred)
+    value = _value(text)
+    return str(value) if value is not None else (text or None)
 
 
 def builtin_equivalent(pred: str, truth: str) -> bool:
@@ -194,7 +206,8 @@ def build(options: MathOptions | None, ctx: BuildContext | None) -> Callable[[Re
             scores.append(float(s))
             boxed.append(float(found))
             correct.append(float(ok))
-        return RewardOutput(scores, {"math/correct": correct, "math/boxed": boxed})
+        answers = [canonical_answer(last_boxed(r)) for r in batch.responses]
+        return with_answers(RewardOutput(scores, {"math/correct": correct, "math/boxed": boxed}), answers)
 
     return math_reward
 

@@ -13,7 +13,8 @@ The score of a response is ``sum(weight_i * score_i)`` (divided by the sum of th
 the component's name unless given), and its extra values pass through under its label
 (``gsm8k/correct`` stays ``gsm8k/correct``; with ``label: rm2`` an extra ``reward_model/logit``
 becomes ``rm2/reward_model/logit``). Components are built through the plugin manager, so any installed
-reward can be mixed; their options are validated by their own config models.
+reward can be mixed; their options are validated by their own config models. The mix's answers (for
+majority voting) are those of the first component that reports answers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rlx import Component, hookimpl
 from rlx.errors import describe_exception
 from rlx.protocols import RewardBatch, RewardOutput
 
-from ._compose import build_component, check_name, validate_options
+from ._compose import answers_of, build_component, check_name, validate_options, with_answers
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext
@@ -97,6 +98,7 @@ def build(options: MixOptions, ctx: BuildContext | None) -> Callable[[RewardBatc
         n = len(batch)
         scores = [0.0] * n
         extra: dict[str, list[float]] = {}
+        answers: list[str | None] | None = None
         for comp, fn in parts:
             try:
                 out = _scores_of(fn(batch), n, comp.key)
@@ -110,7 +112,9 @@ def build(options: MixOptions, ctx: BuildContext | None) -> Callable[[RewardBatc
             extra[f"{comp.key}/score"] = [float(s) for s in out.scores]
             for key, values in out.extra.items():
                 extra[key if key.startswith(f"{comp.key}/") else f"{comp.key}/{key}"] = list(values)
-        return RewardOutput(scores, extra)
+            if answers is None:
+                answers = answers_of(out)
+        return with_answers(RewardOutput(scores, extra), answers)
 
     return mix_reward
 

@@ -17,7 +17,8 @@ value is a reward name or ``{name, options}``); ``fallback`` scores any other so
 a response from an unknown source is an error (handled by ``reward.on_error``). Exact keys win over
 patterns; user routes are tried before the defaults. Extra values of the routed rewards pass through
 (0.0 for responses another reward scored) and ``router/<reward>`` (1.0 for the responses each
-reward scored) is logged, so you can see the mix of sources in every step.
+reward scored) is logged, so you can see the mix of sources in every step. The answers the routed
+rewards report (for majority voting) pass through too (None for a reward that reports none).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlx import Component, hookimpl
 from rlx.protocols import RewardBatch, RewardOutput
 from rlx.reward_runner import subset
 
-from ._compose import ComponentRef, build_component, check_ref, details_of, plugin_manager
+from ._compose import ComponentRef, answers_of, build_component, check_ref, details_of, plugin_manager, with_answers
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext
@@ -127,19 +128,29 @@ class Router:
             fns[id(fn)] = fn
         scores = [0.0] * n
         extra: dict[str, list[float]] = {}
+        answers: list[str | None] = [None] * n
+        reported = False
         for (name, fid), idx in groups.items():
             result = fns[fid](subset(batch, idx) if len(idx) != n else batch)
             out = result if isinstance(result, RewardOutput) else RewardOutput(list(result))
             if len(out.scores) != len(idx):
                 raise ValueError(f"reward {name!r} (routed) returned {len(out.scores)} scores for "
                                  f"{len(idx)} responses")
+            routed_answers = answers_of(out)
+            if routed_answers is not None:
+                if len(routed_answers) != len(idx):
+                    raise ValueError(f"reward {name!r} (routed) returned {len(routed_answers)} answers for "
+                                     f"{len(idx)} responses")
+                reported = True
             for j, i in enumerate(idx):
                 scores[i] = out.scores[j]
+                if routed_answers is not None:
+                    answers[i] = routed_answers[j]
             for key, values in [*out.extra.items(), (f"router/{name}", [1.0] * len(idx))]:
                 col = extra.setdefault(key, [0.0] * n)
                 for j, i in enumerate(idx):
                     col[i] = values[j]
-        return RewardOutput(scores, extra)
+        return with_answers(RewardOutput(scores, extra), answers if reported else None)
 
 
 def build(options: RouterOptions | None, ctx: BuildContext | None) -> Router:
