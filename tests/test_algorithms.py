@@ -45,6 +45,7 @@ def config(max_response_length: int = 4):
 
     cfg = RLXConfig()
     cfg.data.max_response_length = max_response_length
+    cfg.rollout.n = 2  # the test batches hold two responses per prompt
     return cfg
 
 
@@ -354,3 +355,206 @@ def test_estimator_returning_a_wrong_shape_is_named(pm):
     alg = build(local, "grpo", adv_estimator="flat", use_kl_loss=False)
     with pytest.raises(RuntimeError, match=r"estimator 'flat' returned advantages of shape \(4,\)"):
         alg.compute_advantages(scored_batch([1.0, 0.0, 0.5, 0.5]))
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's defaults: dual clip c = 3 always on, GSPO aggregated per sequence
+def test_dual_clip_is_on_by_default_as_in_verl(pm):
+    for name in ALGORITHMS:
+        assert pm.get("algorithm", name).load_config_model()().clip_ratio_c == 3.0, name
+    # one token, A = -1, ratio e^2 = 7.39: clip -> max(7.39, 0.8) = 7.39, dual clip -> min(7.39, 3) = 3
+    mask = t([[1.0]])
+    mb = Batch({"response_mask": mask, "old_log_probs": t([[-3.0]]), "advantages": t([[-1.0]])},
+               meta={"minibatch_tokens": 1.0, "minibatch_seqs": 1.0})
+    out = {"log_probs": t([[-1.0]]), "entropy": t([[0.0]])}
+    loss, m = ActorLoss(AlgorithmOptions(use_kl_loss=False))(out, mb)
+    assert float(loss) == pytest.approx(3.0)
+    assert m["actor/pg_clipfrac_dual"] == 1.0
+    loss_off, _ = ActorLoss(AlgorithmOptions(use_kl_loss=False, clip_ratio_c=None))(out, mb)
+    assert float(loss_off) == pytest.approx(math.exp(2.0), rel=1e-6)
+
+
+def test_gspo_aggregates_per_sequence_unless_told_otherwise():
+    assert AlgorithmOptions().loss_agg_mode == "token-mean"
+    assert AlgorithmOptions(policy_loss="gspo").loss_agg_mode == "seq-mean-token-mean"
+    assert AlgorithmOptions(policy_loss="gspo", loss_agg_mode="token-mean").loss_agg_mode == "token-mean"
+    # the resolved value survives a round trip through a dumped config
+    dumped = AlgorithmOptions(policy_loss="gspo").model_dump()
+    assert AlgorithmOptions.model_validate(dumped).loss_agg_mode == "seq-mean-token-mean"
+    # rows of 1 and 3 tokens, A = 1, ratio 1: per-token loss -1; seq-mean-token-mean = -1 whatever the
+    # lengths, but rows weigh by tokens in token-mean: with A = 2 on the short row, (-2 - 3) / 4 vs (-2 - 1) / 2
+    mask = t([[1, 0, 0], [1, 1, 1]])
+    lp = torch.full((2, 3), -1.0)
+    mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": t([[2, 2, 2], [1, 1, 1]])},
+               meta={"minibatch_tokens": 4.0, "minibatch_seqs": 2.0})
+    out = {"log_probs": lp, "entropy": torch.zeros(2, 3)}
+    loss, _ = ActorLoss(AlgorithmOptions(policy_loss="gspo", use_kl_loss=False))(out, mb)
+    assert float(loss) == pytest.approx(-3 / 2)
+    loss_tok, _ = ActorLoss(AlgorithmOptions(policy_loss="gspo", use_kl_loss=False, loss_agg_mode="token-mean"))(
+        out, mb)
+    assert float(loss_tok) == pytest.approx(-5 / 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group estimators need groups: rollout.n=1 is refused; steps whose groups all scored the same are counted
+@pytest.mark.parametrize(("name", "options"), [("grpo", {}), ("grpo", {"adv_estimator": "rloo"}), ("rloo", {}),
+                                               ("dapo", {}), ("grpo", {"adv_estimator":
+                                                                       "reinforce_plus_plus_baseline"})])
+def test_group_estimator_with_one_response_per_prompt_is_refused(pm, name, options):
+    cfg = config()
+    cfg.rollout.n = 1
+    with pytest.raises(UserError, match=r"rollout\.n=1 samples one response per prompt: every advantage would "
+                                        r"be exactly 0") as err:
+        build(pm, name, cfg, **options)
+    assert "Set rollout.n to 2 or more" in str(err.value)
+
+
+def test_one_response_per_prompt_is_fine_without_groups(pm):
+    cfg = config()
+    cfg.rollout.n = 1
+    for name in ("reinforce_plus_plus", "remax", "ppo"):
+        build(pm, name, cfg)
+    with pytest.raises(UserError, match=r"filter_groups=true \(dynamic sampling\) drops prompts") as err:
+        build(pm, "remax", cfg, filter_groups=True)
+    assert "algorithm.filter_groups=false" in str(err.value)
+
+
+def test_train_with_one_response_per_prompt_exits_2_with_the_reason(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rlx", "train", "--preset", "tiny", "rollout.n=1",
+                           f"trainer.output_dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.count("Error:") == 1, proc.stderr
+    assert "algorithm.adv_estimator=grpo compares each response with the other responses" in proc.stderr
+    assert "rollout.n=1" in proc.stderr and "Set rollout.n to 2 or more" in proc.stderr
+
+
+def test_steps_whose_groups_all_scored_the_same_are_counted(pm):
+    alg = build(pm, "grpo", config())
+    b = alg.compute_advantages(scored_batch([0.7, 0.7, 0.0, 1.0]))  # group 0 all equal, group 1 mixed
+    assert torch.equal(b["advantages"][:2], torch.zeros(2, 4))  # exactly, at float32
+    m = alg.metrics(b)
+    assert (m["batch/equal_score_groups"], m["batch/equal_score_group_ratio"], m["batch/equal_score_steps"]) == (
+        1.0, 0.5, 0.0)
+    b = alg.compute_advantages(scored_batch([0.7, 0.7, 123.456, 123.456]))
+    assert torch.equal(b["advantages"], torch.zeros(4, 4))
+    with pytest.warns(UserWarning, match="every grpo advantage is 0"):
+        m = alg.metrics(b)
+    assert (m["batch/equal_score_groups"], m["batch/equal_score_group_ratio"], m["batch/equal_score_steps"]) == (
+        2.0, 1.0, 1.0)
+    # the count is part of the algorithm's checkpointed state
+    assert alg.state_dict()["equal_score_steps"] == 1
+    fresh = build(pm, "grpo", config())
+    fresh.load_state_dict(alg.state_dict())
+    assert fresh.equal_score_steps == 1
+    fresh.load_state_dict({"kl_coef": 0.001})  # a checkpoint from before the count
+    assert fresh.equal_score_steps == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients of every term of the actor and critic losses, against independently written formulas,
+# with log_probs different from both the old and the reference log-probs
+GMASK = t([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+GLP = t([[-1.0, -0.3, -2.0, G], [-0.7, -1.2, G, G], [-0.5, -0.1, -3.0, -1.1]])
+GOLD = t([[-1.2, -0.2, -2.5, -G], [-0.1, -1.3, G, -G], [-0.5, -0.6, -2.0, -1.0]])
+GREF = t([[-0.4, -0.9, -1.0, G], [-1.5, -0.2, -G, G], [-0.2, -0.3, -2.2, -1.8]])
+GADV = t([[1.0, -1.0, 2.0, G], [-2.0, 0.5, -G, G], [1.5, -0.5, -1.0, 0.3]])
+GENT = t([[2.0, 1.5, 0.5, G], [1.0, 2.5, G, -G], [0.1, 0.2, 3.0, 1.0]])
+
+
+def _reference_terms(lp: torch.Tensor, ent: torch.Tensor, kl_type: str, agg: str) -> dict[str, torch.Tensor]:
+    """Each loss term written from its definition, on clean (zero) padding, masks as multipliers."""
+    m = GMASK
+    clean = {k: torch.where(m.bool(), x, torch.zeros_like(x)) for k, x in
+             {"old": GOLD, "ref": GREF, "adv": GADV}.items()}
+    lpc = torch.where(m.bool(), lp, torch.zeros_like(lp))
+    entc = torch.where(m.bool(), ent, torch.zeros_like(ent))
+
+    def agg_fn(x: torch.Tensor) -> torch.Tensor:
+        if agg == "token-mean":
+            return (x * m).sum() / m.sum()
+        return ((x * m).sum(-1) / m.sum(-1)).mean()  # seq-mean-token-mean
+
+    r = torch.exp(lpc - clean["old"])
+    a = clean["adv"]
+    obj = torch.min(r * a, torch.clamp(r, 0.8, 1.2) * a)
+    obj = torch.where(a < 0, torch.max(obj, 3.0 * a), obj)  # dual clip, c = 3
+    log_ratio_ref = clean["ref"] - lpc  # log(pi_ref / pi)
+    kl = {"k1": -log_ratio_ref, "abs": log_ratio_ref.abs(), "k2": log_ratio_ref ** 2 / 2,
+          "k3": torch.exp(log_ratio_ref) - 1 - log_ratio_ref}[kl_type]
+    return {"pg": agg_fn(-obj), "kl": agg_fn(kl), "entropy": agg_fn(entc)}
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "abs"])
+def test_actor_loss_gradient_of_each_term(kl_type, agg):
+    """The whole loss and the gradient of each term (policy, KL loss, entropy bonus), each isolated by
+    switching it on and off, match the reference; a term with the right value but no gradient fails."""
+    mb = Batch({"response_mask": GMASK, "old_log_probs": GOLD, "ref_log_probs": GREF, "advantages": GADV},
+               meta={"minibatch_tokens": float(GMASK.sum()), "minibatch_seqs": 3.0})
+    kl_coef, ent_coef = 0.3, 0.05
+
+    def grads(**options):
+        lp = GLP.clone().requires_grad_(True)
+        ent = GENT.clone().requires_grad_(True)
+        opts = AlgorithmOptions(loss_agg_mode=agg, kl_loss_type=kl_type, kl_loss_coef=kl_coef, **options)
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb)
+        g_lp, g_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+        return loss.detach(), g_lp, (torch.zeros_like(ent) if g_ent is None else g_ent)
+
+    lp_r = GLP.clone().requires_grad_(True)
+    ent_r = GENT.clone().requires_grad_(True)
+    ref = _reference_terms(lp_r, ent_r, kl_type, agg)
+    want = {name: torch.autograd.grad(term, (lp_r, ent_r), allow_unused=True, retain_graph=True)
+            for name, term in ref.items()}
+
+    loss_pg, g_pg, _ = grads(use_kl_loss=False, entropy_coeff=0.0)
+    loss_all, g_all, g_ent_all = grads(use_kl_loss=True, entropy_coeff=ent_coef)
+    _, g_no_kl, _ = grads(use_kl_loss=False, entropy_coeff=ent_coef)
+    torch.testing.assert_close(loss_pg, ref["pg"].detach())
+    torch.testing.assert_close(loss_all, (ref["pg"] + kl_coef * ref["kl"] - ent_coef * ref["entropy"]).detach())
+    torch.testing.assert_close(g_pg, want["pg"][0])  # policy loss
+    kl_grad = g_all - g_no_kl  # the KL term alone
+    torch.testing.assert_close(kl_grad, kl_coef * want["kl"][0], atol=1e-6, rtol=1e-5)
+    assert float(kl_grad.abs().sum()) > 1e-3  # log_probs != ref, so the KL term does pull
+    torch.testing.assert_close(g_ent_all, -ent_coef * want["entropy"][1])  # entropy bonus, w.r.t. the entropy
+    for g in (g_pg, g_all, g_ent_all):  # and nothing reaches the garbage at padding
+        assert torch.isfinite(g).all() and torch.all(g[~GMASK.bool()] == 0)
+
+
+def test_actor_loss_gradient_is_finite_and_zero_at_nan_padding():
+    nan = float("nan")
+    pad = ~GMASK.bool()
+
+    def junk(x, v):
+        return torch.where(pad, torch.full_like(x, v), x)
+
+    mb = Batch({"response_mask": GMASK, "old_log_probs": junk(GOLD, -math.inf), "ref_log_probs": junk(GREF, nan),
+                "advantages": junk(GADV, math.inf)}, meta={"minibatch_tokens": 9.0, "minibatch_seqs": 3.0})
+    for kl_type in ("k1", "k2", "k3", "abs"):
+        lp = junk(GLP, 0.5).requires_grad_(True)
+        ent = junk(GENT, nan).requires_grad_(True)
+        opts = AlgorithmOptions(kl_loss_type=kl_type, kl_loss_coef=0.3, entropy_coeff=0.05)
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb)
+        assert math.isfinite(float(loss.detach()))
+        for g in torch.autograd.grad(loss, (lp, ent)):
+            assert torch.isfinite(g).all() and torch.all(g[pad] == 0), (kl_type, g)
+
+
+def test_critic_loss_gradient_matches_reference():
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    old, ret = t([[0.0, 0.0, G], [1.0, G, G]]), t([[1.0, -1.0, G], [0.2, -G, G]])
+    mb = Batch({"response_mask": mask, "values": old, "returns": ret},
+               meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0})
+    v = t([[2.0, -0.25, math.nan], [0.9, G, G]]).requires_grad_(True)
+    (g,) = torch.autograd.grad(CriticLoss(0.5)({"values": v}, mb)[0], v)
+    # d/dv of 0.5 max((v - R)^2, (clip(v, old +- .5) - R)^2) / 3 tokens:
+    #   token 1: v = 2 beyond the clip, (v - R)^2 = 1 > (0.5 - 1)^2: (2 - 1) / 3 ; token 2: (-0.25 + 1) / 3 ;
+    #   token 3: v = 0.9 inside the clip: (0.9 - 0.2) / 3 ; padding 0
+    torch.testing.assert_close(g, t([[1 / 3, 0.75 / 3, 0.0], [0.7 / 3, 0.0, 0.0]]))

@@ -17,10 +17,11 @@ an algorithm is built or run, so listing plugins stays fast.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
@@ -67,8 +68,11 @@ class AlgorithmOptions(BaseModel):
     clip_ratio_high: float | None = Field(
         None, gt=0, description="Upper clip range (default clip_ratio; DAPO's clip-higher uses 0.28).")
     clip_ratio_c: float | None = Field(
-        None, gt=1, description="Dual-clip: bound the loss of negative-advantage tokens at -A * c (e.g. 3).")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become one number.")
+        3.0, gt=1, description="Dual-clip: bound the loss of negative-advantage tokens at -A * c (as verl; "
+        "null: off). vanilla only.")
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="How per-token losses become one number (policy_loss=gspo: "
+        "seq-mean-token-mean unless set).")
     entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     # -- KL to the reference policy
     use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
@@ -88,6 +92,14 @@ class AlgorithmOptions(BaseModel):
         "reward linearly (0: off; null: a quarter of data.max_response_length).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="Overlong shaping: the most reward lost.")
 
+    @model_validator(mode="after")
+    def _gspo_aggregates_per_sequence(self) -> AlgorithmOptions:
+        # GSPO's ratio is per sequence, so verl always aggregates its loss per sequence; here an
+        # explicit loss_agg_mode still wins, but the default follows the policy loss.
+        if self.policy_loss == "gspo" and "loss_agg_mode" not in self.model_fields_set:
+            self.loss_agg_mode = "seq-mean-token-mean"
+        return self
+
     def plugin_problems(self, pm: PluginManager) -> list[str]:
         """Config problems with the components these options name (called by config validation)."""
         problem = unknown_estimator(pm, self.adv_estimator)
@@ -101,6 +113,26 @@ def unknown_estimator(pm: PluginManager, name: str) -> str | None:
         return None
     return (f"no advantage estimator named {name!r}.{did_you_mean(name, names)} Valid estimators: "
             f"{', '.join(names)} (plugins add more: `rlx plugins list` shows kind 'advantage').")
+
+
+def check_group_size(opts: AlgorithmOptions, n: int) -> None:
+    """Refuse options that cannot learn from one response per prompt (``rollout.n`` = ``n`` = 1)."""
+    from rlx.plugins.algorithms.estimators import GROUP_RELATIVE
+
+    if n > 1:
+        return
+    if opts.adv_estimator in GROUP_RELATIVE:
+        raise UserError(
+            f"algorithm.adv_estimator={opts.adv_estimator} compares each response with the other responses to "
+            f"the same prompt, but rollout.n={n} samples one response per prompt: every advantage would be "
+            "exactly 0 and the policy would never learn.",
+            "Set rollout.n to 2 or more (4-16 is usual), or use an estimator with another baseline: "
+            "algorithm.adv_estimator=reinforce_plus_plus, --algorithm remax or --algorithm ppo.")
+    if opts.filter_groups:
+        raise UserError(
+            f"algorithm.filter_groups=true (dynamic sampling) drops prompts whose responses all scored the same, "
+            f"and with rollout.n={n} every prompt has a single response, so every prompt would be dropped.",
+            "Set rollout.n to 2 or more, or algorithm.filter_groups=false.")
 
 
 class ActorLoss:
@@ -131,7 +163,7 @@ class ActorLoss:
         if o.entropy_coeff:
             loss = loss - o.entropy_coeff * F.agg_loss(entropy, mask, o.loss_agg_mode, **norm)
         if o.use_kl_loss:
-            kl = F.kl_penalty(log_probs, mb["ref_log_probs"], o.kl_loss_type)  # (b, R)
+            kl = F.kl_penalty(log_probs, mb["ref_log_probs"], o.kl_loss_type, mask)  # (b, R), 0 at padding
             loss = loss + o.kl_loss_coef * F.agg_loss(kl, mask, o.loss_agg_mode, **norm)
             out["actor/kl_loss"] = float(F.masked_mean(kl.detach(), mask))
         return loss, out
@@ -185,6 +217,7 @@ class PolicyGradient:
 
     def __init__(self, opts: AlgorithmOptions, ctx: BuildContext) -> None:
         from rlx.plugins.algorithms import functional as F
+        from rlx.plugins.algorithms.estimators import GROUP_RELATIVE
         from rlx.registry import get_plugin_manager
 
         self.opts = opts
@@ -197,6 +230,8 @@ class PolicyGradient:
         self.needs_critic = "values" in needs
         self.needs_greedy_baseline = "baseline_scores" in needs
         self.needs_ref = opts.use_kl_loss or opts.use_kl_in_reward
+        self.group_relative = opts.adv_estimator in GROUP_RELATIVE
+        self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
         self.max_num_gen_batches = opts.max_num_gen_batches
         k = opts.kl_ctrl
@@ -204,6 +239,8 @@ class PolicyGradient:
             F.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon) if k.type == "adaptive"
             else F.FixedKLController(k.kl_coef))
         cfg = ctx.config
+        if cfg is not None:
+            check_group_size(opts, cfg.rollout.n)
         self.max_response_length = cfg.data.max_response_length if cfg is not None else None
         self.cliprange_value = cfg.critic.cliprange_value if cfg is not None else 0.5
         self.overlong_buffer_len = opts.overlong_buffer_len
@@ -305,6 +342,19 @@ class PolicyGradient:
         out["critic/rewards/mean"] = float(batch["token_level_rewards"].sum(-1).mean())
         if "values" in batch:
             out["critic/vf_explained_var"] = F.explained_variance(batch["values"], batch["returns"], mask)
+        groups, equal = F.count_equal_score_groups(batch["shaped_scores"], batch["group_index"])
+        if groups:
+            if equal == groups:
+                self.equal_score_steps += 1
+                if self.group_relative:
+                    warnings.warn(
+                        f"every prompt's responses got the same reward in this step, so every "
+                        f"{self.opts.adv_estimator} advantage is 0 and the update has only its KL and entropy "
+                        "terms (the metric batch/equal_score_steps counts such steps). The task may be too hard or "
+                        "too easy for the model, or the reward constant: check a few samples.", stacklevel=2)
+            out["batch/equal_score_groups"] = float(equal)
+            out["batch/equal_score_group_ratio"] = equal / groups
+            out["batch/equal_score_steps"] = float(self.equal_score_steps)
         if self.overlong_buffer_len:
             penalty = batch["shaped_scores"] - batch["scores"].float()
             out["reward/overlong_penalty/mean"] = float(penalty.mean())
@@ -312,11 +362,12 @@ class PolicyGradient:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kl_coef": self.kl_ctrl.value}
+        return {"kl_coef": self.kl_ctrl.value, "equal_score_steps": self.equal_score_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "kl_coef" in state:
             self.kl_ctrl.value = float(state["kl_coef"])
+        self.equal_score_steps = int(state.get("equal_score_steps", 0))
 
 
 def make_builder(options_cls: type[AlgorithmOptions]

@@ -87,6 +87,10 @@ def gae(inputs: EstimatorInputs) -> Pair:
                             gamma=inputs.gamma, lam=inputs.lam)
 
 
+# The estimators whose baseline is formed from the other responses to the same prompt: with one
+# response per prompt (rollout.n=1) every advantage they give is exactly 0.
+GROUP_RELATIVE = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+
 BUILTIN = {
     "grpo": (grpo, "Group-normalised outcome advantages (Dr. GRPO with norm_adv_by_std=false)."),
     "rloo": (rloo, "Leave-one-out baseline: the mean of the other samples of the prompt."),
