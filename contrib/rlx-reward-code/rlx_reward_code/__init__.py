@@ -12,11 +12,14 @@ ground truth (a dict, or a JSON string of one) gives the tests in one of these f
   CodeContests style);
 - a plain string: the expected output of the program run without input.
 
-Every run is a separate Python process with a wall-clock limit, CPU-time, memory and file-size
-limits, an empty environment and its own temporary folder (see :mod:`rlx_reward_code.sandbox`);
-cases run in parallel threads. The score is 1.0 when every test passes (``mode: all``) or the
+Every run is a separate Python process in a bubblewrap sandbox (no network, a private filesystem,
+its own PID namespace, an empty environment) with limits on wall-clock and CPU time, memory, processes,
+file size, disk and output (see :mod:`rlx_reward_code.sandbox`); ``sandbox: none`` opts out. Assert
+tests are judged by the scorer on the values the program returns (see :mod:`rlx_reward_code.probes`).
+Cases run in parallel threads. The score is 1.0 when every test passes (``mode: all``) or the
 fraction passed (``mode: fraction``); no code scores 0.0. Logged beside it: ``code/pass_rate``,
-``code/has_code`` and ``code/timeout``.
+``code/has_code``, ``code/timeout`` and ``code/opaque`` (the fraction of a response's tests whose verdict
+had to come from inside the sandbox).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.protocols import RewardBatch, RewardOutput
 
-from .sandbox import Limits, run_asserts, run_program
+from .probes import plan
+from .sandbox import Limits, Sandbox, resolve, run_asserts, run_program
 
 __all__ = ["CodeOptions", "TestSpec", "build", "extract_code", "parse_tests", "score_one"]
 
@@ -54,6 +58,18 @@ class CodeOptions(BaseModel):
                                                    "standard library only).")
     workers: int = Field(0, ge=0, description="Processes run at the same time (0: the number of CPUs).")
     python: str | None = Field(None, description="Python interpreter to run programs with (default: rlx's own).")
+    sandbox: Literal["auto", "bwrap", "none"] = Field(
+        "auto", description="auto/bwrap: run programs in a bubblewrap sandbox (no network, private filesystem, own "
+                            "PID namespace), and refuse to start if it cannot run. none: run them with your own "
+                            "rights (they can read your files and secrets, use the network, signal the trainer).")
+    processes: int = Field(16, ge=1, description="Processes and threads a program may have at once (sandboxed runs).")
+    disk_mb: int = Field(64, ge=1, description="Size of the program's writable folders in MiB (sandboxed runs).")
+    output_mb: float = Field(8.0, gt=0, description="Output kept per stream in MiB; a program printing more is "
+                                                    "stopped and fails.")
+    opaque_tests: Literal["run", "error"] = Field(
+        "run", description="Tests the scorer cannot judge on returned values (loops, custom checkers) are run and "
+                           "judged inside the sandbox, where a cheating program can forge them (run), or refused "
+                           "as an error of the row (error).")
 
 
 @dataclass
@@ -125,23 +141,35 @@ def _same_output(got: str, expected: str) -> bool:
     return norm(got) == norm(expected)
 
 
-def score_one(response: str, ground_truth: Any, opts: CodeOptions,
-              pool: ThreadPoolExecutor | None = None) -> tuple[float, float, bool, bool]:
-    """``(score, pass rate, has code, timed out)`` for one response."""
+def limits_of(opts: CodeOptions) -> Limits:
+    return Limits(timeout_s=opts.time_limit_s, memory_mb=opts.memory_mb, disk_mb=opts.disk_mb,
+                  processes=opts.processes, output_mb=opts.output_mb, site_packages=opts.site_packages,
+                  python=opts.python or sys.executable)
+
+
+def score_one(response: str, ground_truth: Any, opts: CodeOptions, pool: ThreadPoolExecutor | None = None,
+              sandbox: Sandbox | None = None) -> tuple[float, float, bool, bool, float]:
+    """``(score, pass rate, has code, timed out, opaque fraction)`` for one response."""
     spec = parse_tests(ground_truth)
+    plans = [plan(t) for t in spec.asserts]
+    opaque = sum(p.opaque for p in plans)
+    if opaque and opts.opaque_tests == "error":
+        first = next(p.source for p in plans if p.opaque)
+        raise ValueError("code reward: a test cannot be judged on returned values (opaque_tests=error): "
+                         f"{(first or '')[:200]!r}")
     code = extract_code(response, opts.require_code_block)
     if code is None or len(spec) == 0:
-        return 0.0, 0.0, code is not None, False
-    limits = Limits(timeout_s=opts.time_limit_s, memory_mb=opts.memory_mb, site_packages=opts.site_packages,
-                    python=opts.python or sys.executable)
+        return 0.0, 0.0, code is not None, False, 0.0
+    limits = limits_of(opts)
+    box = sandbox or resolve(opts.sandbox, limits)
     passed: list[bool] = []
     timed_out = False
-    if spec.asserts:
-        results, timed_out, _ = run_asserts(code, spec.asserts, limits)
+    if plans:
+        results, timed_out, _ = run_asserts(box, code, plans, limits)
         passed.extend(results)
     if spec.cases:
         def case(c: tuple[str, str]) -> tuple[bool, bool]:
-            run = run_program(code, c[0], limits)
+            run = run_program(box, code, c[0], limits)
             return run.returncode == 0 and _same_output(run.stdout, c[1]), run.timed_out
 
         outcomes = list(pool.map(case, spec.cases)) if pool is not None else [case(c) for c in spec.cases]
@@ -149,21 +177,23 @@ def score_one(response: str, ground_truth: Any, opts: CodeOptions,
         timed_out = timed_out or any(t for _, t in outcomes)
     rate = sum(passed) / len(passed)
     value = rate if opts.mode == "fraction" else float(all(passed))
-    return value, rate, True, timed_out
+    return value, rate, True, timed_out, opaque / len(spec)
 
 
 def build(options: CodeOptions | None, ctx: Any) -> Any:
     opts = options or CodeOptions()
     workers = opts.workers or os.cpu_count() or 1
+    sandbox = resolve(opts.sandbox, limits_of(opts))  # before training starts: no sandbox, no run
 
     def code_reward(batch: RewardBatch) -> RewardOutput:
         with ThreadPoolExecutor(max_workers=workers) as responses, ThreadPoolExecutor(max_workers=workers) as cases:
-            results = list(responses.map(lambda pair: score_one(pair[0], pair[1], opts, cases),
+            results = list(responses.map(lambda pair: score_one(pair[0], pair[1], opts, cases, sandbox),
                                          zip(batch.responses, batch.ground_truths)))
         return RewardOutput([r[0] for r in results], {
             "code/pass_rate": [r[1] for r in results],
             "code/has_code": [float(r[2]) for r in results],
             "code/timeout": [float(r[3]) for r in results],
+            "code/opaque": [r[4] for r in results],
         })
 
     return code_reward
@@ -173,4 +203,4 @@ def build(options: CodeOptions | None, ctx: Any) -> Any:
 def rlx_rewards() -> list[Component]:
     return [Component(kind="reward", name="code", factory=build, config_model=CodeOptions,
                       summary="Runs the response's code against the row's tests (asserts or stdin/stdout) in a "
-                              "limited subprocess.")]
+                              "bubblewrap sandbox.")]

@@ -24,8 +24,16 @@ except ImportError:  # not installed: use the source folder
     sys.path.insert(0, str(ROOT))
     code_plugin = importlib.import_module("rlx_reward_code")
 
+from rlx_reward_code.sandbox import Limits, bwrap_problem  # noqa: E402
+
 CodeOptions = code_plugin.CodeOptions
-FAST = CodeOptions(time_limit_s=3.0, workers=2)
+# The behaviour tested here is the same with or without the sandbox (test_code_sandbox.py tests the sandbox).
+SANDBOX = "auto" if bwrap_problem(Limits()) is None else "none"
+FAST = CodeOptions(time_limit_s=3.0, workers=2, sandbox=SANDBOX)
+
+
+def options(**kw) -> CodeOptions:
+    return CodeOptions(sandbox=SANDBOX, **kw)
 
 
 def block(code: str, lang: str = "python") -> str:
@@ -76,14 +84,14 @@ def test_assert_tests_all_or_fraction():
     assert out.scores == [1.0, 0.0, 0.0, 0.0]
     assert out.extra["code/pass_rate"] == pytest.approx([1.0, 0.0, 2 / 3, 0.0])
     assert out.extra["code/has_code"] == [1.0, 1.0, 1.0, 0.0]
-    frac = code_plugin.build(CodeOptions(mode="fraction", time_limit_s=3.0), None)(batch([half], [ADD_TESTS]))
+    frac = code_plugin.build(options(mode="fraction", time_limit_s=3.0), None)(batch([half], [ADD_TESTS]))
     assert frac.scores == pytest.approx([2 / 3])
 
 
 def test_stdin_stdout_cases_and_expected_output():
     prog = block("a, b = map(int, input().split())\nprint(a + b)   ")
     truth = {"inputs": ["1 2\n", "3 4\n", "5 5\n"], "outputs": ["3\n", "7", "11"]}
-    out = code_plugin.build(CodeOptions(mode="fraction", time_limit_s=3.0), None)(
+    out = code_plugin.build(options(mode="fraction", time_limit_s=3.0), None)(
         batch([prog, block("print(42)"), block("print(41)")], [truth, "42", "42"]))
     assert out.scores == pytest.approx([2 / 3, 1.0, 0.0])
 
@@ -95,7 +103,7 @@ def test_program_is_not_main_for_asserts_but_is_for_io():
 
 
 def test_an_infinite_loop_is_killed_at_the_time_limit():
-    opts = CodeOptions(time_limit_s=1.0)
+    opts = options(time_limit_s=1.0)
     start = time.perf_counter()
     out = code_plugin.build(opts, None)(batch([block("while True:\n    pass"), block("import time\ntime.sleep(60)")],
                                               [ADD_TESTS, "x"]))
@@ -107,11 +115,13 @@ def test_an_infinite_loop_is_killed_at_the_time_limit():
 def test_memory_and_environment_are_limited():
     # 768 MiB against a 512 MiB limit: fails under the limit on any host, succeeds without it here.
     hog = block("x = bytearray(768 * 1024 ** 2)\ndef add(a, b):\n    return a + b")
-    env = block("import os\nprint(sorted(k for k in os.environ if k not in ('LC_CTYPE',)))")
+    env = block("import os\nprint(all(k in ('HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR', 'LC_CTYPE') for k in os.environ))")
     cwd = block("import os\nprint(len(os.listdir('.')))")
-    out = code_plugin.build(CodeOptions(time_limit_s=5.0, memory_mb=512), None)(batch(
-        [hog, env, cwd], [ADD_TESTS, "['HOME', 'LANG', 'PATH', 'PYTHONHASHSEED']", "0"]))
+    out = code_plugin.build(options(time_limit_s=5.0, memory_mb=512), None)(batch(
+        [hog, env, cwd], [ADD_TESTS, "True", "0"]))
     assert out.scores == [0.0, 1.0, 1.0]  # the allocation fails; the program sees only its own folder
+    fits = code_plugin.build(options(time_limit_s=5.0, memory_mb=1024), None)(batch([hog], [ADD_TESTS]))
+    assert fits.scores == [1.0]
 
 
 def test_forged_results_do_not_count():
@@ -126,7 +136,7 @@ def test_forged_results_do_not_count():
 def test_without_site_packages_only_the_standard_library_imports():
     uses_pydantic = block("import pydantic\nprint('ok')")
     strict = code_plugin.build(FAST, None)(batch([uses_pydantic], ["ok"]))
-    loose = code_plugin.build(CodeOptions(time_limit_s=5.0, site_packages=True), None)(batch([uses_pydantic], ["ok"]))
+    loose = code_plugin.build(options(time_limit_s=5.0, site_packages=True), None)(batch([uses_pydantic], ["ok"]))
     assert strict.scores == [0.0] and loose.scores == [1.0]
 
 
@@ -142,7 +152,7 @@ def test_no_temporary_folders_are_left_behind(tmp_path, monkeypatch):
 def test_a_batch_runs_in_parallel():
     sleepy = block("import time\ntime.sleep(0.5)\nprint(1)")
     start = time.perf_counter()
-    out = code_plugin.build(CodeOptions(time_limit_s=5.0, workers=4), None)(batch([sleepy] * 4, ["1"] * 4))
+    out = code_plugin.build(options(time_limit_s=5.0, workers=4), None)(batch([sleepy] * 4, ["1"] * 4))
     assert out.scores == [1.0] * 4
     assert time.perf_counter() - start < 1.9  # 4 x 0.5 s in sequence would be 2 s
 
@@ -181,7 +191,7 @@ def test_children_of_a_timed_out_program_are_killed_too():
     spawner = block("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
                     "'import time; time.sleep(30)'])\nimport time\ntime.sleep(30)")
     start = time.perf_counter()
-    out = code_plugin.build(CodeOptions(time_limit_s=1.0), None)(batch([spawner], ["x"]))
+    out = code_plugin.build(options(time_limit_s=1.0), None)(batch([spawner], ["x"]))
     assert out.scores == [0.0] and time.perf_counter() - start < 10
 
 
@@ -205,7 +215,8 @@ def test_trains_through_rlx_when_installed(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--reward", "code",
-         "reward.require_code_block=false", "reward.time_limit_s=2", "rollout.n=2", "trainer.total_steps=2",
+         "reward.require_code_block=false", "reward.time_limit_s=2", f"reward.sandbox={SANDBOX}", "rollout.n=2",
+         "trainer.total_steps=2",
          "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false", "trainer.save_freq=0",
          f"trainer.output_dir={run_dir}"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
@@ -226,5 +237,5 @@ def test_trains_through_rlx_when_installed(tmp_path):
 ])
 def test_solutions_cannot_fake_passing_tests(hack):
     tests = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
-    score, pass_rate, *_ = code_plugin.score_one(f"```python\n{hack}\n```", tests, code_plugin.CodeOptions())
+    score, pass_rate, *_ = code_plugin.score_one(f"```python\n{hack}\n```", tests, options())
     assert score == 0.0 and pass_rate == 0.0
