@@ -50,6 +50,9 @@ def eval_command(
     for ref in data:
         if not ref.startswith("builtin:") and not Path(os.path.expanduser(ref)).is_file():
             raise UserError(f"--data {ref}: no such file.")
+    for flag, target in (("--output", output), ("--samples", samples)):
+        if target:
+            check_output_file(target, flag)
     raw = build_raw(preset=preset, config_file=config, shortcuts={"model": model, "reward": reward},
                     overrides=list(overrides or []))
     set_dotted(raw, "data.train_files", list(data))  # unused, but a run config needs training data
@@ -82,17 +85,36 @@ def eval_command(
         print_table(result)
 
 
+def check_output_file(target: str, flag: str) -> None:
+    """Fail before any work when ``target`` cannot be written: a missing or read-only folder, or a folder."""
+    path = Path(os.path.expanduser(target))
+    parent = path.parent
+    if path.is_dir():
+        raise UserError(f"{flag} {target}: that is a folder; give a file name (e.g. {target.rstrip('/')}/result"
+                        f"{'.json' if flag == '--output' else '.jsonl'}).")
+    if not parent.is_dir():
+        what = "is a file, not a folder" if parent.exists() else "does not exist"
+        raise UserError(f"{flag} {target}: the folder {str(parent)!r} {what}.",
+                        f"Create it first (mkdir -p {parent}) or write somewhere else.")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {target}: cannot write there (permission denied).",
+                        "Write into a folder you own.")
+
+
 def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) -> tuple[dict[str, Any], list[Any]]:
     """Generate and score the validation files of a resolved config; the results and every record."""
     from rlx.context import BuildContext
     from rlx.data import load_prompts, resolve_path
     from rlx.evaluation import default_ks, evaluate, summarize
+    from rlx.models import check_model_folder, load_tokenizer
     from rlx.protocols import RunInfo, SamplingParams
-    from rlx.trainer import load_tokenizer
     from rlx.workers import RewardWorker
 
     cfg = resolved.config
-    tok = load_tokenizer(resolve_path(cfg.model.tokenizer_path or cfg.model.path), cfg.model.trust_remote_code)
+    m = cfg.model
+    check_model_folder(resolve_path(m.path), m.trust_remote_code, tokenizer=m.tokenizer_path is None)
+    tok = load_tokenizer(resolve_path(m.tokenizer_path or m.path), m.trust_remote_code,
+                         key="model.tokenizer_path" if m.tokenizer_path else "model.path")
     d = cfg.data
     dataset = load_prompts(d.val_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                            filter_overlong=d.filter_overlong_prompts, source_key="--data")

@@ -254,3 +254,19 @@ def test_eval_json_flag_and_errors(eval_run, tmp_path):
     bad_reward = rlx("eval", "--model", "builtin:tiny-qwen2", "--data", "builtin:arith-test", "--reward", "arth",
                      cwd=tmp_path)
     assert bad_reward.returncode == 2 and "Did you mean 'arith'?" in bad_reward.stderr
+
+
+def test_eval_checks_its_output_files_before_the_work(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    cases = [(("--output", "missing/res.json"), "--output missing/res.json: the folder 'missing' does not exist"),
+             (("--samples", str(tmp_path)), f"--samples {tmp_path}: that is a folder"),
+             (("--output", "file.txt/res.json"), "the folder 'file.txt' is a file, not a folder")]
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "locked").mkdir(mode=0o500)
+        cases.append((("--output", "locked/res.json"), "cannot write there (permission denied)"))
+    for args, message in cases:
+        proc = rlx("eval", "--model", "builtin:tiny-qwen2", "--data", "builtin:arith-test", "--max-tokens", "2", *args,
+                   cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert "evaluated" not in proc.stderr  # no prompt was generated before the check

@@ -110,8 +110,13 @@ def test_its_own_chat_template_option(rm_path, policy_tok):
 
 def test_load_errors_are_user_errors(tmp_path, rm_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="Cannot load a reward model"):
+    with pytest.raises(UserError, match=r"reward\.path: the folder .* is empty"):
         RewardModelScorer(RewardModelOptions(path=str(tmp_path / "empty")))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "broken" / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match=r"reward\.path: the folder .* has no weights"):
+        RewardModelScorer(RewardModelOptions(path=str(tmp_path / "broken")))
     two = write_tiny_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(UserError, match="has 2 outputs"):
         RewardModelScorer(RewardModelOptions(path=str(two)))

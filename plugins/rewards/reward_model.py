@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.errors import UserError
+from rlx.models import check_model_folder
 from rlx.protocols import RewardBatch, RewardOutput
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class RewardModelScorer:
             raise UserError("reward.device=cuda but no CUDA device is available.", "Use reward.device=cpu or auto.")
         self.device = device
         dtype = opts.dtype if opts.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+        check_model_folder(opts.path, opts.trust_remote_code, key="reward.path")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(opts.path, trust_remote_code=opts.trust_remote_code)
             model, info = AutoModelForSequenceClassification.from_pretrained(

@@ -1,0 +1,202 @@
+"""Model folders and tokenizers: a folder that cannot hold a model is named precisely, before any heavy load.
+
+A model reference is a local folder or a hub id (``Qwen/Qwen2.5-0.5B-Instruct``). For a local folder,
+:func:`check_model_folder` reads only file names and ``config.json`` and says exactly what is wrong: the
+folder does not exist, is a file, is empty, has no ``config.json`` (or one that is not JSON), names a
+``model_type`` this version of transformers does not know, has no tokenizer files, or has no weights
+(or an index whose shards are missing). A hub id is left to ``from_pretrained``, whose failure
+(offline, unknown id) :func:`load_tokenizer` turns into a message. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import UserError, did_you_mean
+
+# A hub id: ``name`` or ``owner/name`` (letters, digits, ``-``, ``_``, ``.``), as the hub accepts them.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+# Files of which at least one is in every tokenizer folder: the fast tokenizer's serialisation, a
+# sentencepiece or tiktoken model, or the vocabulary of a BPE / WordPiece tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "*.spm", "*.tiktoken", "vocab.json",
+                   "vocab.txt", "merges.txt")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def is_local(ref: str) -> bool:
+    """Whether ``ref`` means a local path rather than a hub id.
+
+    Anything that exists on disk, starts like a path (``/``, ``.``, ``~``) or cannot be a hub id (two
+    slashes, spaces) is local; ``owner/name`` that does not exist here is a hub id.
+    """
+    if os.path.exists(os.path.expanduser(ref)):
+        return True
+    if ref.startswith(("/", ".", "~")) or os.path.isabs(ref):
+        return True
+    return _HUB_ID.fullmatch(ref) is None
+
+
+def _matching(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _folder(path: str, key: str) -> tuple[Path, list[str]]:
+    """The folder and its file names; a UserError if it is missing, a file or empty."""
+    folder = Path(os.path.expanduser(path))
+    hint = ("Give a Hugging Face model folder (config.json, tokenizer files and weights, as written by "
+            "save_pretrained) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
+    if not folder.exists():
+        raise UserError(f"{key}: the folder {path!r} does not exist.", hint)
+    if not folder.is_dir():
+        raise UserError(f"{key}: {path!r} is a file, not a model folder.", hint)
+    try:
+        names = [p.name for p in folder.iterdir()]
+    except OSError as exc:
+        raise UserError(f"{key}: cannot read the folder {path!r}: {exc.strerror or exc}.") from None
+    if not names:
+        raise UserError(f"{key}: the folder {path!r} is empty.", hint)
+    return folder, names
+
+
+def _read_config(folder: Path, names: list[str], path: str, key: str) -> dict[str, Any]:
+    if "config.json" not in names:
+        raise UserError(f"{key}: the folder {path!r} has no config.json (it holds: {_listing(names)}).",
+                        "A model folder written by save_pretrained has one; copy it from the model you started "
+                        "from, or give the right folder.")
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{key}: {path!r}: config.json cannot be read as JSON: {exc}.") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{key}: {path!r}: config.json holds a {type(config).__name__}, not a JSON object.")
+    return config
+
+
+def _check_model_type(config: dict[str, Any], path: str, key: str, trust_remote_code: bool) -> None:
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    version = transformers.__version__
+    if not isinstance(model_type, str) or not model_type:
+        raise UserError(f"{key}: {path!r}: config.json has no model_type, so transformers cannot tell which "
+                        "architecture it is.", "Add the model_type of the model (e.g. \"qwen2\", \"llama\").")
+    if model_type in CONFIG_MAPPING:
+        return
+    custom = isinstance(config.get("auto_map"), dict) and "AutoConfig" in config["auto_map"]
+    if custom and trust_remote_code:
+        return  # the folder brings its own configuration code
+    if custom:
+        raise UserError(f"{key}: {path!r} is a {model_type!r} model with its own code (config.json auto_map), "
+                        f"which transformers {version} does not have built in.",
+                        "Set model.trust_remote_code=true to run the folder's code (only for a source you trust).")
+    known = list(CONFIG_MAPPING.keys())
+    raise UserError(f"{key}: {path!r}: config.json has model_type {model_type!r}, which transformers {version} "
+                    f"does not know.{did_you_mean(model_type, known)}",
+                    "If the model is newer than this transformers, upgrade it (pip install -U transformers); "
+                    "otherwise fix model_type in config.json.")
+
+
+def _check_weights(folder: Path, names: list[str], path: str, key: str) -> None:
+    for index in _INDEX_FILES:
+        if index in names:
+            try:
+                weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UserError(f"{key}: {path!r}: {index} is not a weight index (a JSON object with a "
+                                f"weight_map): {exc!r}.") from None
+            missing = [s for s in shards if not (folder / str(s)).is_file()]
+            if missing:
+                raise UserError(f"{key}: {path!r}: {index} names {len(shards)} weight files, of which "
+                                f"{len(missing)} are missing: {_listing(missing)}.",
+                                "Copy the missing shards into the folder (an interrupted download or copy?).")
+            return
+    if not _matching(names, WEIGHT_FILES):
+        raise UserError(f"{key}: the folder {path!r} has no weights (looked for {', '.join(WEIGHT_FILES)}; "
+                        f"it holds: {_listing(names)}).",
+                        "Save the model with save_pretrained, or give the folder that holds its weights.")
+
+
+def _check_tokenizer(folder: Path, names: list[str], path: str, key: str, trust_remote_code: bool) -> None:
+    if _matching(names, TOKENIZER_FILES):
+        return
+    if trust_remote_code and "tokenizer_config.json" in names:
+        try:
+            custom = "auto_map" in json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, TypeError):
+            custom = False
+        if custom:
+            return  # a tokenizer class of the folder's own code names its own vocabulary files
+    raise UserError(f"{key}: the folder {path!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}; "
+                    f"it holds: {_listing(names)}).",
+                    "Save the tokenizer into the folder (tokenizer.save_pretrained(folder)), or set "
+                    "model.tokenizer_path to a folder or hub id that has one.")
+
+
+def check_model_folder(path: str, trust_remote_code: bool = False, *, tokenizer: bool = True,
+                       weights: bool = True, key: str = "model.path") -> None:
+    """Raise a :class:`UserError` saying exactly why the local folder ``path`` cannot be loaded as a model.
+
+    Checks, in order: the folder exists, is a folder, is not empty; ``config.json`` is there, is JSON
+    and names a ``model_type`` transformers knows (or brings its own code, with ``trust_remote_code``);
+    tokenizer files are there (``tokenizer=False`` when the tokenizer comes from elsewhere); weights are
+    there, and every shard a weight index names (``weights=False`` for a config-only check). A hub id
+    (see :func:`is_local`) is not checked: ``from_pretrained`` resolves it. ``key`` names the setting in
+    messages (``model.path``, ``reward.path``).
+    """
+    if not is_local(path):
+        return
+    folder, names = _folder(path, key)
+    config = _read_config(folder, names, path, key)
+    _check_model_type(config, path, key, trust_remote_code)
+    if tokenizer:
+        _check_tokenizer(folder, names, path, key, trust_remote_code)
+    if weights:
+        _check_weights(folder, names, path, key)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool, *, key: str = "model.path") -> Any:
+    """The tokenizer of a local folder or hub id, with a pad token and a chat template, or a UserError.
+
+    A local folder is checked first (it exists, is not empty, has tokenizer files); a hub id that cannot
+    be loaded (offline, no such id) gets a message saying so.
+    """
+    from transformers import AutoTokenizer
+
+    local = is_local(path)
+    if local:
+        folder, names = _folder(path, key)
+        _check_tokenizer(folder, names, path, key, trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(path) if local else path,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        text = str(exc).strip()
+        if local:
+            hint = ("pip install sentencepiece tiktoken" if "sentencepiece" in text or "tiktoken" in text
+                    else "Check the folder's tokenizer files, or set model.tokenizer_path to another tokenizer.")
+            raise UserError(f"{key}: cannot load a tokenizer from the folder {path!r}: {text}", hint) from None
+        raise UserError(f"{key}: cannot load a tokenizer from the hub id {path!r} (there is no local folder of "
+                        f"that name either): {text}",
+                        "Give a local model folder, or a hub id that is available offline (downloaded "
+                        "before, or HF_HUB_OFFLINE=0 with network access).") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise UserError(f"{key}: the tokenizer at {path!r} has no chat template.",
+                        "Use an instruct/chat model, or a model.tokenizer_path whose tokenizer has one.")
+    return tok
