@@ -63,15 +63,21 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
 
 def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size: int, shuffle: bool, seed: int,
                prefix: str, metrics: dict[str, list[float]]) -> None:
-    """``epochs`` passes over ``batch`` in mini-batches of ``mini_size`` rows, one optimizer step each
-    (the backend accumulates gradients over micro-batches). Metrics are collected in ``metrics``
-    under ``prefix/`` (keys that already name a section keep theirs)."""
+    """``epochs`` passes over ``batch`` in mini-batches of ``mini_size`` rows, one optimizer step each.
+
+    The driver only cuts the mini-batches (shuffled per epoch with ``seed``); they travel to the role's
+    workers in one call, each data-parallel rank receiving its rows of every mini-batch, and the update
+    loop runs there (``rlx.training.run_update``). Metrics are collected in ``metrics`` under ``prefix/``
+    (keys that already name a section keep theirs), one value per optimizer step.
+    """
     gen = torch.Generator().manual_seed(seed)
+    minibatches: list[Batch] = []
     for _ in range(epochs):
         data = batch.index(torch.randperm(len(batch), generator=gen)) if shuffle else batch
-        for mini in data.split(mini_size):
-            for k, v in group.call("train_step", mini, loss_fn).items():
-                metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
+        minibatches.extend(data.split(mini_size))
+    for step in group.call("update", minibatches, loss_fn):
+        for k, v in step.items():
+            metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
 
 
 class Trainer:

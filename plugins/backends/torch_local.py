@@ -188,6 +188,49 @@ class TorchWorker:
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
 
+    # -- the engine primitives rlx.training's shared loops use ---------------------------------
+    dp_size = 1
+
+    def to_device(self, micro: Batch) -> Batch:
+        return micro.to(self.device)
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        return list(values)
+
+    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+        import contextlib
+
+        import torch
+
+        with self._precision(), (contextlib.nullcontext() if grad else torch.no_grad()):
+            if self.spec.value_head:
+                return {"values": response_values(self.model, micro).float()}
+            temperature = float(micro.meta.get("temperature", 1.0))
+            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
+                                                    entropy_grad=entropy_grad)
+            return {"log_probs": log_probs, "entropy": entropy}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None, f"role {self.spec.role} is not trainable"
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> tuple[float, bool, float]:
+        import torch
+
+        assert self.optimizer is not None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        applied = bool(torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+        else:  # a bad batch must not poison the weights: skip the update and report it
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return float(grad_norm), applied, lr
+
     # -- inference --------------------------------------------------------------------------
     def _forward_no_grad(self, batch: Batch, fn: Any) -> list[Any]:
         """``fn(micro_batch)`` over the batch in micro-batches, without gradients, in eval mode.
@@ -196,18 +239,16 @@ class TorchWorker:
         """
         import torch
 
+        from rlx.training import run_forward
+
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
-        outputs = []
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                for mb in batch.select("prompts", "prompt_mask", "responses", "response_mask").split(size):
-                    with self._precision():
-                        outputs.append(fn(mb.to(self.device)))
+            with torch.no_grad(), self._precision():
+                return run_forward(self, batch, size, fn)
         finally:
             self.model.train(was_training)
-        return outputs
 
     def compute_values(self, batch: Batch) -> Batch:
         """Critic values (B, R) of the states before each response token; 0 at padding."""
@@ -233,45 +274,16 @@ class TorchWorker:
         return Batch(tensors)
 
     # -- training ---------------------------------------------------------------------------
+    def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch (``rlx.training.run_update``)."""
+        from rlx.training import run_update
+
+        self.model.train()
+        return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size)
+
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (a mini-batch), accumulating over micro-batches."""
-        import torch
-
-        assert self.optimizer is not None, f"role {self.spec.role} is not trainable"
-        temperature = float(batch.meta.get("temperature", 1.0))
-        entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", True))
-        mask = batch["response_mask"]
-        batch.meta["minibatch_tokens"] = float(mask.sum())
-        batch.meta["minibatch_seqs"] = float((mask.sum(-1) > 0).sum())
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        total_weight = 0.0
-        for mb in batch.split(self.spec.micro_batch_size):
-            mb = mb.to(self.device)
-            with self._precision():
-                if self.spec.value_head:
-                    outputs = {"values": response_values(self.model, mb).float()}
-                else:
-                    log_probs, entropy = response_log_probs(self.model, mb, temperature, with_entropy=True,
-                                                            entropy_grad=entropy_grad)
-                    outputs = {"log_probs": log_probs, "entropy": entropy}
-            loss, metrics = loss_fn(outputs, mb)
-            loss.backward()
-            weight = float(mb["response_mask"].sum())
-            total_weight += weight
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:  # a bad batch must not poison the weights: skip the update and report it
-            self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        out = {k: v / max(total_weight, 1.0) for k, v in sums.items()}
-        out.update(grad_norm=float(grad_norm), lr=float(lr), skipped_step=float(not torch.isfinite(grad_norm)))
-        return out
+        return self.update([batch], loss_fn)[0]
 
     # -- weights and checkpoints ------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

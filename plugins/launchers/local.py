@@ -20,8 +20,24 @@ class LocalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def shard(value: Any, parts: int) -> list[Any]:
+    """Split a call's data argument by data-parallel rank: a batch into ``parts`` nearly equal chunks, a
+    list of batches (mini-batches of an update) chunk by chunk; anything else goes whole to every rank."""
+    if parts == 1:
+        return [value]
+    if isinstance(value, Batch):
+        if len(value) < parts:
+            raise ValueError(f"{len(value)} rows cannot be split over {parts} data-parallel ranks")
+        return value.chunk(parts)
+    if isinstance(value, list) and value and all(isinstance(v, Batch) for v in value):
+        per_item = [shard(v, parts) for v in value]
+        return [[chunks[r] for chunks in per_item] for r in range(parts)]
+    return [value] * parts
+
+
 def gather(results: list[Any]) -> Any:
-    """Combine per-worker results: batches are concatenated, metric dicts averaged."""
+    """Combine the data-parallel ranks' results: batches are concatenated, metric dicts averaged, lists
+    (one entry per optimizer step) combined entry by entry."""
     if len(results) == 1:
         return results[0]
     first = results[0]
@@ -29,6 +45,8 @@ def gather(results: list[Any]) -> Any:
         return Batch.concat(results)
     if isinstance(first, dict):
         return {k: sum(r[k] for r in results) / len(results) for k in first}
+    if isinstance(first, list):
+        return [gather([r[i] for r in results]) for i in range(len(first))]
     return results
 
 
@@ -38,8 +56,8 @@ class LocalWorkerGroup:
         self.workers = workers
         self.world_size = len(workers)
 
-    def call(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
-        parts = batch.chunk(self.world_size) if self.world_size > 1 else [batch]
+    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
+        parts = shard(batch, self.world_size)
         return gather([getattr(w, method)(p, *args, **kwargs) for w, p in zip(self.workers, parts)])
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
