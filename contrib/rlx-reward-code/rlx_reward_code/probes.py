@@ -98,9 +98,14 @@ def _probe_of(test: ast.expr, defined: set[str]) -> Probe | bool | None:
         return bool(value)
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         op, left, right = test.ops[0], test.left, test.comparators[0]
+        within = _within(left, op, right)  # before the general form, which would send the target inside
+        if within is not None:
+            return within
         fn = _COMPARE.get(type(op))
         lok, lval = _literal(left)
         rok, rval = _literal(right)
+        if fn is not None and lok and rok:
+            return _safe(lambda _: fn(lval, rval))(None)
         if fn is not None and lok != rok:
             lit = lval if lok else rval
             if isinstance(op, (ast.Is, ast.IsNot)) and not any(lit is s for s in _SINGLETONS):
@@ -109,9 +114,6 @@ def _probe_of(test: ast.expr, defined: set[str]) -> Probe | bool | None:
             if lok:
                 return Probe(ast.unparse(subject), _safe(lambda x: fn(lit, x)))
             return Probe(ast.unparse(subject), _safe(lambda x: fn(x, lit)))
-        within = _within(left, op, right)
-        if within is not None:
-            return within
         return None
     if isinstance(test, ast.Call) and _is_isclose(test.func):
         return _isclose(test)
