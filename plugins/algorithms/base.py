@@ -115,24 +115,24 @@ def unknown_estimator(pm: PluginManager, name: str) -> str | None:
             f"{', '.join(names)} (plugins add more: `rlx plugins list` shows kind 'advantage').")
 
 
-def check_group_size(opts: AlgorithmOptions, n: int) -> None:
-    """Refuse options that cannot learn from one response per prompt (``rollout.n`` = ``n`` = 1)."""
+def group_size_problem(opts: AlgorithmOptions, n: int) -> tuple[str, str] | None:
+    """``(what is wrong, how to fix it)`` when the options cannot learn from ``rollout.n`` = ``n``
+    responses per prompt (group-relative advantages or dynamic sampling with n = 1), else None."""
     from rlx.plugins.algorithms.estimators import GROUP_RELATIVE
 
     if n > 1:
-        return
+        return None
     if opts.adv_estimator in GROUP_RELATIVE:
-        raise UserError(
-            f"algorithm.adv_estimator={opts.adv_estimator} compares each response with the other responses to "
-            f"the same prompt, but rollout.n={n} samples one response per prompt: every advantage would be "
-            "exactly 0 and the policy would never learn.",
-            "Set rollout.n to 2 or more (4-16 is usual), or use an estimator with another baseline: "
-            "algorithm.adv_estimator=reinforce_plus_plus, --algorithm remax or --algorithm ppo.")
+        return (f"algorithm.adv_estimator={opts.adv_estimator} compares each response with the other responses to "
+                f"the same prompt, but rollout.n={n} samples one response per prompt: every advantage would be "
+                "exactly 0 and the policy would never learn.",
+                "Set rollout.n to 2 or more (4-16 is usual), or use an estimator with another baseline: "
+                "algorithm.adv_estimator=reinforce_plus_plus, --algorithm remax or --algorithm ppo.")
     if opts.filter_groups:
-        raise UserError(
-            f"algorithm.filter_groups=true (dynamic sampling) drops prompts whose responses all scored the same, "
-            f"and with rollout.n={n} every prompt has a single response, so every prompt would be dropped.",
-            "Set rollout.n to 2 or more, or algorithm.filter_groups=false.")
+        return (f"algorithm.filter_groups=true (dynamic sampling) drops prompts whose responses all scored the "
+                f"same, and with rollout.n={n} every prompt has a single response, so every prompt would be dropped.",
+                "Set rollout.n to 2 or more, or algorithm.filter_groups=false.")
+    return None
 
 
 class ActorLoss:
@@ -239,8 +239,9 @@ class PolicyGradient:
             F.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon) if k.type == "adaptive"
             else F.FixedKLController(k.kl_coef))
         cfg = ctx.config
-        if cfg is not None:
-            check_group_size(opts, cfg.rollout.n)
+        problem = group_size_problem(opts, cfg.rollout.n) if cfg is not None else None
+        if problem:
+            raise UserError(*problem)
         self.max_response_length = cfg.data.max_response_length if cfg is not None else None
         self.cliprange_value = cfg.critic.cliprange_value if cfg is not None else 0.5
         self.overlong_buffer_len = opts.overlong_buffer_len
