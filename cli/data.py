@@ -49,6 +49,8 @@ def _read(file: str) -> list[Any]:
     from rlx.data import read_rows
 
     path = Path(os.path.expanduser(file))
+    if path.is_dir():
+        raise UserError(f"{file}: that is a folder; give a parquet file.")
     if not path.is_file():
         raise UserError(f"{file}: no such file.")
     return read_rows([str(path)])
@@ -63,6 +65,7 @@ def validate(
     from rlx.data import row_problems
 
     bad_total = rows_total = 0
+    empty: list[str] = []
     for file in files:
         rows = _read(file)
         bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
@@ -72,11 +75,14 @@ def validate(
             typer.echo(f"{file}: row {i}: {'; '.join(problems)}")
         if not rows:
             typer.echo(f"{file}: no rows")
-            bad_total += 1
+            empty.append(file)
         elif not bad:
             typer.echo(f"{file}: {len(rows)} rows, all usable")
-    if bad_total:
-        raise UserError(f"{bad_total} of {rows_total} rows are not usable (listed above).",
+    if bad_total or empty:
+        found = [f"{bad_total} of {rows_total} rows are not usable (listed above)"] if bad_total else []
+        if empty:
+            found.append(f"{len(empty)} file{'s have' if len(empty) != 1 else ' has'} no rows ({', '.join(empty)})")
+        raise UserError("; ".join(found) + ".",
                         "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
                         "`rlx data prepare` writes files in this shape.")
 
@@ -122,13 +128,9 @@ def inspect(
         from rlx.cli.main import _quiet_libraries
 
         _quiet_libraries()
-        from transformers import AutoTokenizer
+        from rlx.models import load_tokenizer
 
-        try:
-            tok = AutoTokenizer.from_pretrained(resolve_path(tokenizer))
-        except (OSError, ValueError) as exc:
-            raise UserError(f"--tokenizer {tokenizer}: cannot load a tokenizer: {exc}",
-                            "Give a local model folder or a hub id available offline.") from None
+        tok = load_tokenizer(resolve_path(tokenizer), False, key="--tokenizer", require_chat_template=False)
     lengths: list[int] = []
     sources: dict[str, int] = {}
     unusable = 0

@@ -6,6 +6,7 @@ A row holds ``prompt`` (a list of ``{"role", "content"}`` chat messages), ``data
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -71,14 +72,22 @@ def row_problems(row: Any, prompt_key: str = "prompt") -> list[str]:
                     m.get("content"), str):
                 problems.append(f"{prompt_key}[{j}] must be {{'role': str, 'content': str}}")
                 break
-    if not isinstance(row.get("data_source"), str) or not row.get("data_source"):
+    source = row.get("data_source")
+    if source is None or source == "":
         problems.append("missing 'data_source' (a string naming the data set)")
+    elif not isinstance(source, str):
+        problems.append(f"'data_source' must be a string naming the data set (got {type(source).__name__})")
     rm = row.get("reward_model")
-    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+    truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+    if rm is not None and not isinstance(rm, dict):
+        problems.append(f"'reward_model' must be a mapping with a 'ground_truth' (got {type(rm).__name__})")
+    elif truth is None:
         problems.append("missing 'reward_model.ground_truth'")
+    elif isinstance(truth, float) and not math.isfinite(truth):
+        problems.append(f"'reward_model.ground_truth' is {truth}, which no answer can equal")
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
-        problems.append("'extra_info' must be a mapping")
+        problems.append(f"'extra_info' must be a mapping (got {type(extra).__name__})")
     return problems
 
 
@@ -125,7 +134,13 @@ def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt
     for i, row in enumerate(rows):
         prompt = row[prompt_key]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may reject a conversation (roles must alternate, ...)
+            raise UserError(f"{source_key} ({', '.join(refs)}): row {i}: the chat template rejects its "
+                            f"{prompt_key!r}: {type(exc).__name__}: {exc}",
+                            "Fix the row's messages (the roles this model's template accepts, in its order), "
+                            "or drop the row.") from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         longest = max(longest, len(ids))
         if len(ids) > max_prompt_length:

@@ -74,10 +74,11 @@ def _math(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
         truth = last_boxed(solution) if isinstance(solution, str) else None
     if not isinstance(question, str) or not question.strip() or truth is None or not str(truth).strip():
         return None
-    extra = {"question": question, "answer": raw.get("solution", str(truth))}
+    solution = raw.get("solution")
+    extra = {"question": question, "answer": solution if isinstance(solution, str) else str(truth)}
     for key in ("level", "type", "subject", "unique_id"):
         if raw.get(key) is not None:
-            extra[key] = raw[key]
+            extra[key] = str(raw[key])  # one type per column, whatever the source mixes
     return question.strip(), str(truth).strip(), extra
 
 
@@ -135,6 +136,8 @@ def read_sources(sources: list[str]) -> dict[str, list[dict[str, Any]]]:
         split, eq, ref = spec.partition("=")
         if not eq or os.sep in split or not split:
             split, ref = "", spec
+        if not ref.strip():
+            raise UserError(f"--source {spec}: give a file or folder after '='.")
         path = Path(os.path.expanduser(ref))
         if not path.exists():
             raise UserError(f"--source {spec}: no such file or folder.")
@@ -186,13 +189,30 @@ def write_parquet(rows: list[dict[str, Any]], target: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"Cannot create the folder {str(target.parent)!r}: {exc.strerror or exc}.") from None
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        table = pa.Table.from_pylist(rows)
+        pq.write_table(table, tmp)
         os.replace(tmp, target)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"Cannot write {target}: {type(exc).__name__}: {exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Fail before reading anything when ``out_dir`` cannot become a folder of ours: a file, or read-only."""
+    path = Path(os.path.expanduser(out_dir))
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+        raise UserError(f"--out {out_dir}: {what}, not a folder.", "Give a folder for the parquet files.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out_dir}: cannot write into {str(existing)!r} (permission denied).")
 
 
 @dataclass
@@ -213,6 +233,7 @@ def prepare(name: str, out_dir: str, *, sources: list[str] | None = None, hub_pa
         raise UserError(f"No data set recipe named {name!r}.{did_you_mean(name, list(RECIPES))} "
                         f"Recipes: {', '.join(RECIPES)}.")
     recipe = RECIPES[name]
+    check_out_dir(out_dir)
     raw = read_sources(sources) if sources else read_hub(recipe, hub_path)
     # A hub id names the rows' source; a local folder given as --dataset is a copy of the recipe's set.
     is_hub_id = hub_path is not None and not Path(os.path.expanduser(hub_path)).exists()

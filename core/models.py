@@ -169,8 +169,10 @@ def check_model_folder(path: str, trust_remote_code: bool = False, *, tokenizer:
         _check_weights(folder, names, path, key)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool, *, key: str = "model.path") -> Any:
-    """The tokenizer of a local folder or hub id, with a pad token and a chat template, or a UserError.
+def load_tokenizer(path: str, trust_remote_code: bool, *, key: str = "model.path",
+                   require_chat_template: bool = True) -> Any:
+    """The tokenizer of a local folder or hub id, with a pad token and (unless ``require_chat_template``
+    is off) a chat template, or a UserError.
 
     A local folder is checked first (it exists, is not empty, has tokenizer files); a hub id that cannot
     be loaded (offline, no such id) gets a message saying so.
@@ -196,7 +198,7 @@ def load_tokenizer(path: str, trust_remote_code: bool, *, key: str = "model.path
                         "before, or HF_HUB_OFFLINE=0 with network access).") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    if tok.chat_template is None:
+    if tok.chat_template is None and require_chat_template:
         raise UserError(f"{key}: the tokenizer at {path!r} has no chat template.",
                         "Use an instruct/chat model, or a model.tokenizer_path whose tokenizer has one.")
     return tok

@@ -85,7 +85,7 @@ def test_validate_rows_several_problems_in_one_row_and_limits():
     with pytest.raises(UserError) as info:
         validate_rows(rows, "src")
     msg = info.value.message
-    assert "row 0: 'prompt' is empty; missing 'data_source'" in msg and "reward_model.ground_truth" in msg
+    assert "row 0: 'prompt' is empty; missing 'data_source'" in msg and "'reward_model' must be a mapping" in msg
     assert "row 1: row is a str, not a mapping" in msg
     with pytest.raises(UserError, match="and 5 more"):
         validate_rows([row(prompt=None)] * 25, "src")
@@ -101,6 +101,42 @@ def test_read_rows_rejects_non_parquet(tmp_path):
         read_rows([str(bad)])
     with pytest.raises(UserError, match="as parquet"):
         read_rows([str(tmp_path / "missing.parquet")])
+
+
+def test_wrong_types_are_named_not_called_missing(tmp_path):
+    rows = read_rows([write_parquet(tmp_path / "a.parquet", [row(data_source=5, reward_model="7")]),
+                      write_parquet(tmp_path / "b.parquet", [row(prompt=5)]),
+                      write_parquet(tmp_path / "c.parquet", [row(prompt={"role": "user", "content": "x"})]),
+                      write_parquet(tmp_path / "d.parquet", [row(reward_model={"ground_truth": float("nan")})])])
+    with pytest.raises(UserError) as info:
+        validate_rows(rows, "src")
+    msg = info.value.message
+    assert "row 0: 'data_source' must be a string naming the data set (got int); 'reward_model' must be a " \
+           "mapping with a 'ground_truth' (got str)" in msg
+    assert "row 1: 'prompt' must be a non-empty list of chat messages" in msg
+    assert "row 2: 'prompt' must be a non-empty list of chat messages" in msg  # a struct, not a list
+    assert "row 3: 'reward_model.ground_truth' is nan, which no answer can equal" in msg
+
+
+def test_read_rows_rejects_an_empty_file(tmp_path):
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(UserError, match=r"Cannot read .*empty\.parquet as parquet"):
+        read_rows([str(tmp_path / "empty.parquet")])
+
+
+def test_a_chat_template_that_rejects_a_conversation_names_the_row(tmp_path, tiny_model_path):
+    strict = AutoTokenizer.from_pretrained(tiny_model_path)
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    bad = row(prompt=[{"role": "assistant", "content": "hi"}])
+    f = write_parquet(tmp_path / "p.parquet", [row(), bad])
+    with pytest.raises(UserError) as info:
+        load_prompts([f], strict, prompt_key="prompt", max_prompt_length=512, filter_overlong=True,
+                     source_key="data.train_files")
+    assert "data.train_files" in info.value.message and "row 1: the chat template rejects its 'prompt'" in \
+        info.value.message
+    assert "Conversation roles must alternate" in info.value.message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,6 +162,27 @@ def test_prepare_errors(tmp_path, capsys):
     assert code == 2 and "Did you mean 'gsm8k'?" in err
 
 
+def test_prepare_checks_the_output_folder_first_and_writes_mixed_metadata(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "train.jsonl", GSM8K_TEST)
+    (tmp_path / "afile").write_text("x")
+    code, _, err = cli(capsys, "data", "prepare", "gsm8k", "--out", str(tmp_path / "afile"), "--source", str(source))
+    assert code == 2 and "is a file, not a folder" in err and "Traceback" not in err
+    code, _, err = cli(capsys, "data", "prepare", "gsm8k", "--out", str(tmp_path / "afile" / "x"), "--source",
+                       str(source))
+    assert code == 2 and "which is a file, not a folder" in err
+    code, _, err = cli(capsys, "data", "prepare", "gsm8k", "--out", str(tmp_path / "o"), "--source", "train=")
+    assert code == 2 and "give a file or folder after '='" in err
+    # A source whose metadata columns change type from row to row (an int level, then a string one).
+    mixed = write_jsonl(tmp_path / "m" / "test.jsonl", [
+        {"problem": "p", "answer": "1", "level": 1, "solution": None},
+        {"problem": "q", "answer": 2, "level": "Level 2", "subject": ["a"]}])
+    code, _, err = cli(capsys, "data", "prepare", "math", "--out", str(tmp_path / "mo"), "--source", str(mixed))
+    assert code == 0, err
+    rows = rows_of(tmp_path / "mo" / "test.parquet")
+    assert [r["extra_info"]["level"] for r in rows] == ["1", "Level 2"]
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["1", "2"]
+
+
 def test_helpers():
     assert gsm8k_answer("so\n#### 1,234") == "1234" and gsm8k_answer("#### $5") == "5" and gsm8k_answer("x") is None
     assert split_of(Path("train-00000-of-00001.parquet")) == "train"
@@ -223,6 +244,13 @@ def test_validate_good_files_and_unreadable_ones(tmp_path, capsys):
     assert code == 2 and "Cannot read" in err
     code, _, err = cli(capsys, "data", "validate", str(tmp_path / "missing.parquet"))
     assert code == 2 and "no such file" in err
+    code, _, err = cli(capsys, "data", "validate", str(tmp_path))
+    assert code == 2 and "that is a folder; give a parquet file" in err
+    empty = tmp_path / "none.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    code, out, err = cli(capsys, "data", "validate", str(good), str(empty))
+    assert code == 2 and f"{empty}: no rows" in out
+    assert f"Error: 1 file has no rows ({empty})." in err and "of 3 rows" not in err
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -252,6 +280,9 @@ def test_inspect_shows_rows_sources_and_token_lengths(tmp_path, capsys):
     assert stats["over_max_prompt_length"] == sum(n > 40 for n in lengths) > 0
     code, out, _ = cli(capsys, "data", "inspect", str(f), "--rows", "0")
     assert code == 0 and "Prompt length in characters (pass --tokenizer PATH for tokens)" in out
+    (tmp_path / "no-tokenizer").mkdir()
+    code, _, err = cli(capsys, "data", "inspect", str(f), "--tokenizer", str(tmp_path / "no-tokenizer"))
+    assert code == 2 and "--tokenizer: the folder" in err and "is empty" in err and "sentencepiece" not in err
 
 
 def test_data_commands_keep_the_cli_light(tmp_path):
