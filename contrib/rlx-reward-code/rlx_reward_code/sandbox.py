@@ -333,13 +333,21 @@ def _read_capped(proc: subprocess.Popen[bytes], stdin: bytes, deadline: float,
                     exceeded = killed = True
                     _kill(proc)
                     deadline = time.monotonic() + 0.5
+    except BaseException:
+        _kill(proc)
+        raise
     finally:
         sel.close()
-        if not killed and proc.poll() is None:
-            killed = True  # the pipes closed but the process lingers: nothing more is wanted from it
+    if not killed:
+        # The output is closed; bwrap may take a moment to report the exit status, a plain child that
+        # closed its output may run on: either way not past the deadline.
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
             _kill(proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out, exceeded
 
 
