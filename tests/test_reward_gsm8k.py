@@ -223,6 +223,24 @@ def test_build_without_options_and_empty_batch() -> None:
     assert empty.extra == {"gsm8k/strict_found": [], "gsm8k/correct": []}
 
 
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("18.00", "18"), ("18", "18"), ("1234", "1234"), ("-0", "0"), ("0.50", "0.5"), ("1e3", "1000"),
+    ("100", "100"), (None, None),
+])
+def test_canonical_answer_is_one_spelling_per_number(answer, expected) -> None:
+    assert gsm8k.canonical_answer(answer) == expected
+
+
+def test_the_answers_are_the_numbers_that_were_scored() -> None:
+    responses = ["\\boxed{9} #### 1,234", "first 3 then 4", "no number", "#### 5.0"]
+    batch = RewardBatch([""] * 4, responses, ["1234"] * 4, ["gsm8k"] * 4, [{}] * 4)
+    assert gsm8k.build(None, None)(batch).answers == ["1234", "4", None, "5"]  # type: ignore[attr-defined]
+    strict_only = gsm8k.build(Gsm8kOptions(fallback_flexible=False), None)(batch)
+    assert strict_only.answers == ["1234", None, None, "5"]  # type: ignore[attr-defined]
+    flexible = gsm8k.build(Gsm8kOptions(method="flexible"), None)(batch)
+    assert flexible.answers == ["1234", "4", None, "5"]  # type: ignore[attr-defined]
+
+
 def test_build_rejects_mismatched_lengths() -> None:
     fn = gsm8k.build(None, None)
     with pytest.raises(ValueError, match="ground truths"):
