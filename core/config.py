@@ -1,6 +1,6 @@
 """The run configuration: pydantic v2 models, layered sources, and error reports a user can act on.
 
-Sources, later wins: defaults < preset < YAML file (``--config``) < shortcut flags (``--backend``,
+Sources, later wins: defaults < preset < YAML files (``--config``, in order) < shortcut flags (``--backend``,
 ``--rollout``, ``--algorithm``, ``--reward``, ``--model``) < dotted overrides (``actor.optim.lr=1e-6``).
 
 The sections ``backend``, ``rollout``, ``algorithm``, ``reward`` and ``launcher`` name a plugin
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
+import string
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,17 +23,42 @@ from rlx.errors import ConfigError, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
+# Upper bounds of the numeric options. Each is far above any real run and low enough that a typo
+# (``rollout.n=1e19``, ``lr=1e308``) is reported here instead of overflowing int64 or turning the weights
+# into inf inside torch: batch x samples x tokens stays below 2**57 elements.
+MAX_TOKENS = 2**20  # data.max_prompt_length, data.max_response_length
+MAX_BATCH = 2**20  # batch and micro-batch sizes, reward.chunk_size, trainer.log_samples
+MAX_SAMPLES = 2**16  # rollout.n, rollout.val_n
+MAX_STEPS = 10**9  # steps, epochs, frequencies, warm-up steps, checkpoints kept
+MAX_PPO_EPOCHS = 1024
+MAX_LR = 1.0  # Adam moves each weight by about lr per step: above 1 a single step destroys the model
+MAX_WEIGHT_DECAY = 1.0  # AdamW multiplies the weights by (1 - lr * weight_decay) each step
+MIN_TEMPERATURE = 1e-3  # logits / temperature must stay finite in bfloat16 and float16
+MAX_TEMPERATURE = 100.0  # far above this, sampling is uniform over the vocabulary
+MAX_TOP_K = 2**31 - 1
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week; Python's own limit on a wait is about 292 years
+MAX_WORKERS = 1024
+MAX_SEED = 2**32 - 1  # the widest seed every RNG in use takes (numpy, vLLM)
+
+# ``trainer.output_dir`` may name these; anything else in braces is an error.
+OUTPUT_DIR_PLACEHOLDERS = ("project", "experiment")
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
 
 class _Section(BaseModel):
     # coerce_numbers_to_str: ``trainer.experiment=2024`` is read as the int 2024 but meant as a name.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    # allow_inf_nan=False: no option of the core means anything at inf or nan.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
     path: str = Field("", description="Hugging Face hub id or local folder of the policy model.")
     tokenizer_path: str | None = Field(None, description="Tokenizer location; defaults to `path`.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Parameter dtype for training (master weights stay float32 on CPU).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype of the models. auto: float32 on a CPU, bfloat16 on a GPU. "
+        "A trained model keeps float32 master weights on a GPU; on a CPU it trains in this dtype.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
 
@@ -41,10 +67,11 @@ class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list, description="Parquet files of training prompts.")
     val_files: list[str] = Field(default_factory=list, description="Parquet files of validation prompts.")
     prompt_key: str = Field("prompt", description="Column holding the chat messages of each prompt.")
-    max_prompt_length: int = Field(512, gt=0, description="Prompts longer than this (in tokens) are dropped.")
-    max_response_length: int = Field(512, gt=0, description="Most tokens generated per response.")
-    train_batch_size: int = Field(32, gt=0, description="Prompts per training step.")
-    val_batch_size: int = Field(64, gt=0, description="Prompts per validation generate call.")
+    max_prompt_length: int = Field(512, gt=0, le=MAX_TOKENS,
+                                   description="Prompts longer than this (in tokens) are dropped.")
+    max_response_length: int = Field(512, gt=0, le=MAX_TOKENS, description="Most tokens generated per response.")
+    train_batch_size: int = Field(32, gt=0, le=MAX_BATCH, description="Prompts per training step.")
+    val_batch_size: int = Field(64, gt=0, le=MAX_BATCH, description="Prompts per validation generate call.")
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
     filter_overlong_prompts: bool = Field(
         True, description="Drop (and count) prompts over max_prompt_length; if false they are an error.")
@@ -56,10 +83,10 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr: float = Field(1e-6, gt=0, le=MAX_LR, description=f"Peak learning rate (at most {MAX_LR:g}).")
+    weight_decay: float = Field(0.01, ge=0, le=MAX_WEIGHT_DECAY, description="AdamW weight decay.")
+    betas: tuple[_Beta, _Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="After warm-up.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (cosine/linear).")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
@@ -68,17 +95,17 @@ class OptimConfig(_Section):
 class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(
-        16, gt=0, description="Prompts per optimizer step (times rollout.n sequences).")
+        16, gt=0, le=MAX_BATCH, description="Prompts per optimizer step (times rollout.n sequences).")
     micro_batch_size_per_device: int = Field(
-        4, gt=0, description="Sequences per forward/backward pass; gradients accumulate over them.")
+        4, gt=0, le=MAX_BATCH, description="Sequences per forward/backward pass; gradients accumulate over them.")
     log_prob_micro_batch_size_per_device: int = Field(
-        16, gt=0, description="Sequences per forward pass when computing log-probs (no gradients).")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each step's rollouts.")
+        16, gt=0, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs (no gradients).")
+    ppo_epochs: int = Field(1, gt=0, le=MAX_PPO_EPOCHS, description="Passes over each step's rollouts.")
     shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
 
 
 class CriticOptimConfig(OptimConfig):
-    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the critic.")
+    lr: float = Field(1e-5, gt=0, le=MAX_LR, description=f"Peak learning rate of the critic (at most {MAX_LR:g}).")
 
 
 class CriticConfig(_Section):
@@ -89,19 +116,22 @@ class CriticConfig(_Section):
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig,
                                      description="The critic's own optimizer (lr default 1e-5).")
     micro_batch_size_per_device: int = Field(
-        4, gt=0, description="Sequences per forward/backward pass; gradients accumulate over them.")
+        4, gt=0, le=MAX_BATCH, description="Sequences per forward/backward pass; gradients accumulate over them.")
     forward_micro_batch_size_per_device: int = Field(
-        16, gt=0, description="Sequences per forward pass when computing values (no gradients).")
-    ppo_epochs: int | None = Field(None, gt=0, description="Passes over each step's rollouts (default actor's).")
+        16, gt=0, le=MAX_BATCH, description="Sequences per forward pass when computing values (no gradients).")
+    ppo_epochs: int | None = Field(None, gt=0, le=MAX_PPO_EPOCHS,
+                                   description="Passes over each step's rollouts (default actor's).")
     cliprange_value: float | None = Field(
         0.5, gt=0, description="Clip new values to old +- this in the value loss (null: no clipping).")
-    warmup_steps: int = Field(0, ge=0, description="First steps in which only the critic trains (the actor waits).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
+                              description="First steps in which only the critic trains (the actor waits).")
 
 
 class ComponentSection(BaseModel):
     """A section that names a plugin. Keys other than ``name`` are the plugin's own options."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, coerce_numbers_to_str=True,
+                              allow_inf_nan=False)
     name: str
 
     def options(self) -> dict[str, Any]:
@@ -118,12 +148,23 @@ class LauncherConfig(ComponentSection):
 
 class RolloutConfig(ComponentSection):
     name: str = Field("hf", description="Rollout engine plugin.")
-    n: int = Field(1, gt=0, description="Responses sampled per prompt.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    n: int = Field(1, gt=0, le=MAX_SAMPLES, description="Responses sampled per prompt.")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE,
+                               description=f"Sampling temperature: 0 (greedy) or {MIN_TEMPERATURE:g} to "
+                               f"{MAX_TEMPERATURE:g}.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
-    val_temperature: float = Field(0.0, ge=0, description="Temperature for validation (0 = greedy).")
-    val_n: int = Field(1, gt=0, description="Responses per prompt during validation.")
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="Top-k sampling (-1 = off).")
+    val_temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE,
+                                   description="Temperature for validation (0 = greedy).")
+    val_n: int = Field(1, gt=0, le=MAX_SAMPLES, description="Responses per prompt during validation.")
+
+    @field_validator("temperature", "val_temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: dividing the logits by a "
+                             f"smaller temperature overflows them")
+        return v
 
 
 class AlgorithmConfig(ComponentSection):
@@ -138,38 +179,76 @@ class RewardConfig(ComponentSection):
         "'fail' stops the run with a message naming the plugin and the response; 'zero' gives those "
         "responses failure_score and counts them in the reward/failed metrics.")
     failure_score: float = Field(0.0, description="Score of a response whose reward failed (on_error=zero).")
-    timeout_s: float = Field(300.0, ge=0, description="Most seconds one reward call may take (0: no limit).")
-    num_workers: int = Field(1, ge=1, description="Reward calls run at the same time (threads or processes).")
+    timeout_s: float = Field(300.0, ge=0, le=MAX_TIMEOUT_S,
+                             description="Most seconds one reward call may take (0: no limit; at most a week).")
+    num_workers: int = Field(1, ge=1, le=MAX_WORKERS,
+                             description="Reward calls run at the same time (threads or processes).")
     chunk_size: int = Field(
-        0, ge=0, description="Responses per reward call (0: the batch split evenly over num_workers).")
+        0, ge=0, le=MAX_BATCH, description="Responses per reward call (0: the batch split evenly over num_workers).")
     executor: Literal["thread", "process"] = Field(
         "thread", description="'thread': calls run in threads (reward models, I/O); 'process': each call in "
         "a forked process that is killed when it times out (CPU-heavy rule rewards; Linux/macOS).")
 
 
 class TrainerConfig(_Section):
-    total_epochs: int = Field(1, gt=0, description="Passes over the training data.")
-    total_steps: int | None = Field(None, gt=0, description="Stop after this many steps (overrides epochs).")
-    save_freq: int = Field(-1, description="Save a checkpoint every N steps (-1: only at the end, 0: never).")
-    test_freq: int = Field(-1, description="Validate every N steps (-1: never).")
+    total_epochs: int = Field(1, gt=0, le=MAX_STEPS, description="Passes over the training data.")
+    total_steps: int | None = Field(None, gt=0, le=MAX_STEPS,
+                                    description="Stop after this many steps (overrides epochs).")
+    save_freq: int = Field(-1, ge=-1, le=MAX_STEPS,
+                           description="Save a checkpoint every N steps (-1: only at the end, 0: never).")
+    test_freq: int = Field(-1, ge=-1, le=MAX_STEPS, description="Validate every N steps (-1 or 0: never).")
     val_before_train: bool = Field(False, description="Validate once before the first step.")
     output_dir: str = Field("outputs/{project}/{experiment}", description="Run folder ({project}, "
-                            "{experiment} are filled in).")
-    project: str = Field("rlx", description="Project name (loggers).")
-    experiment: str = Field("run", description="Experiment name (loggers).")
-    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
+                            "{experiment} are filled in; write a literal brace as {{ or }}).")
+    project: str = Field("rlx", description="Project name (loggers; a folder name in output_dir).")
+    experiment: str = Field("run", description="Experiment name (loggers; a folder name in output_dir).")
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     resume: Literal["auto", "never", "must"] = Field(
         "auto", description="auto: continue from the last complete checkpoint in output_dir if any.")
-    max_checkpoints_to_keep: int | None = Field(None, gt=0, description="Delete older checkpoints.")
+    max_checkpoints_to_keep: int | None = Field(None, gt=0, le=MAX_STEPS, description="Delete older checkpoints.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the single-process run goes.")
     loggers: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="Logger plugins.")
-    log_samples: int = Field(2, ge=0, description="Sample rows given to loggers each step.")
+    log_samples: int = Field(2, ge=0, le=MAX_BATCH, description="Sample rows given to loggers each step.")
     save_hf_model: bool = Field(True, description="Also write the final model in Hugging Face format.")
 
     @field_validator("loggers", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("project", "experiment")
+    @classmethod
+    def _folder_name(cls, v: str) -> str:
+        # Each name is one folder inside output_dir: it must not climb out of it or hide in it.
+        if not v:
+            raise ValueError("must not be empty")
+        if "/" in v or "\\" in v:
+            raise ValueError("must be one folder name, without '/' or '\\'")
+        if set(v) == {"."}:
+            raise ValueError("must not be made only of dots: '.' and '..' name the same or the parent folder")
+        if not v.isprintable():
+            raise ValueError("must not contain control characters")
+        return v
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        if not v.isprintable():
+            raise ValueError("must not contain control characters")
+        names = ", ".join("{" + p + "}" for p in OUTPUT_DIR_PLACEHOLDERS)
+        try:
+            fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(v) if name is not None]
+        except ValueError as exc:
+            raise ValueError(f"{exc}; the placeholders are {names}, and a literal brace is written {{{{ or }}}}"
+                             ) from None
+        for name, spec, conv in fields:
+            if name not in OUTPUT_DIR_PLACEHOLDERS or spec or conv:
+                raise ValueError(f"unknown placeholder {{{name}{'!' + conv if conv else ''}"
+                                 f"{':' + spec if spec else ''}}}; the placeholders are {names}, and a "
+                                 "literal brace is written {{ or }}")
+        return v
 
 
 class RLXConfig(_Section):
@@ -202,6 +281,20 @@ class RLXConfig(_Section):
     def run_dir(self) -> Path:
         t = self.trainer
         return Path(os.path.expanduser(t.output_dir.format(project=t.project, experiment=t.experiment)))
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """The dtype that ``model.dtype`` (``name``) means on ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...).
+
+    ``auto`` is float32 on a CPU, where bfloat16 is slow and its rounding makes the policy and the
+    reference disagree before any update, and bfloat16 on an accelerator. Other names pass through.
+    """
+    if name != "auto":
+        return name
+    kind = str(device).split(":", 1)[0]
+    if kind == "auto":
+        raise ValueError("resolve_dtype needs the device the model is placed on, not 'auto'")
+    return "float32" if kind == "cpu" else "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,20 +406,27 @@ def load_preset(name: str) -> dict[str, Any]:
 def build_raw(
     *,
     preset: str | None = None,
-    config_file: str | None = None,
+    config_file: str | Sequence[str] | None = None,
     shortcuts: dict[str, str | None] | None = None,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Merge every source into one plain dict (not yet validated)."""
+    """Merge every source into one plain dict (not yet validated).
+
+    ``config_file`` may be several files: they are merged in order, a later file's keys over an earlier's.
+    """
     raw: dict[str, Any] = {}
     if preset:
         raw = deep_merge(raw, load_preset(preset))
-    if config_file:
-        raw = deep_merge(raw, load_yaml(config_file))
+    files = [config_file] if isinstance(config_file, str) else list(config_file or [])
+    problems: list[str] = []
+    for path in files:
+        try:
+            raw = deep_merge(raw, load_yaml(path))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     for flag, value in (shortcuts or {}).items():
         if value is not None:
             set_dotted(raw, SHORTCUTS[flag], value)
-    problems: list[str] = []
     for text in overrides or []:
         try:
             key, value = parse_override(text)

@@ -5,13 +5,18 @@ Every problem is collected and reported at once as a :class:`ConfigError`.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from rlx.components import Component
 from rlx.config import ComponentSection, RLXConfig, build_raw, format_validation_error, validate
-from rlx.errors import ConfigError, UserError
+from rlx.errors import ConfigError, UserError, describe_exception
 from rlx.registry import PluginManager
 
 # config section -> component kind
@@ -45,20 +50,29 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
     ``path`` is where the options live (``algorithm``, ``loggers.swanlab``); ``name_path`` is where the
     plugin's name was given (``algorithm.name``, ``trainer.loggers``).
     """
+    name_path = name_path or path + ".name"
     try:
         comp = pm.get(kind, name)
     except UserError as exc:
-        problems.append(f"{name_path or path + '.name'}: {exc.message}")
+        problems.append(f"{name_path}: {exc.message}")
         return None
+    # A broken plugin: say which one and what is wrong with it, keep checking the rest.
+    fault = f"{kind} {name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+    fix = "Reinstall or update that plugin, or report the fault to its authors."
+    missing = _missing_factory_module(comp)
+    if missing:
+        problems.append(f"{name_path}: {fault} names its factory {comp.factory!r}, but {missing}. {fix}")
     try:
         model = comp.load_config_model()
-    except Exception as exc:  # a broken plugin: say which one, keep checking the rest
-        problems.append(f"{path}: cannot load the options of {kind} {name!r} (plugin {comp.plugin}, "
-                        f"{comp.distribution} {comp.version}): {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        problems.append(f"{path}: cannot load the options of {fault}: {describe_exception(exc)}. {fix}")
         return None
     if model is None:
         if given:
             problems.append(f"{path}: {kind} {name!r} takes no options; got {', '.join(sorted(given))}")
+        return None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        problems.append(f"{path}: the config_model of {fault} must be a pydantic model class; got {model!r}. {fix}")
         return None
     try:
         options = model.model_validate(given, context={"plugins": pm})
@@ -66,11 +80,30 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
         problems.extend(format_validation_error(exc, model, prefix=path, owner=f"{kind} {name!r}",
                                                 extra_keys=core_keys))
         return None
+    except Exception as exc:  # a validator of the plugin that raises something pydantic does not wrap
+        problems.append(f"{path}: the options check of {fault} failed: {describe_exception(exc)}. {fix}")
+        return None
     # Options that name other components (an algorithm's adv_estimator) check those names here.
     check = getattr(options, "plugin_problems", None)
     if callable(check):
-        problems.extend(f"{path}.{p}" for p in check(pm))
+        try:
+            problems.extend(f"{path}.{p}" for p in check(pm))
+        except Exception as exc:
+            problems.append(f"{path}: the options check of {fault} failed: {describe_exception(exc)}. {fix}")
     return options
+
+
+def _missing_factory_module(comp: Component) -> str:
+    """Why a ``"module:attr"`` factory cannot be imported, found without importing the module itself
+    (so validating stays light); ``""`` when the module is there or the factory is an object."""
+    if not isinstance(comp.factory, str):
+        return ""
+    module = comp.factory.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except Exception as exc:  # a parent package that fails to import
+        return f"looking for the module {module!r} failed: {describe_exception(exc)}"
+    return "" if found else f"no module {module!r} is installed"
 
 
 @dataclass
@@ -133,7 +166,10 @@ def _view_of_raw(raw: dict[str, Any]) -> _View:
 
 
 def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True) -> Resolved:
-    """Validate everything; raise one :class:`ConfigError` with every problem found."""
+    """Validate everything; raise one :class:`ConfigError` with every problem found.
+
+    ``check_files`` also checks what is on disk: the data files and the run folder (:func:`output_dir_problems`).
+    """
     from rlx.data import check_files as file_problems
 
     problems: list[str] = []
@@ -160,6 +196,8 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True)
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
                         "or run `rlx train` with no arguments for the built-in tiny job.")
     if check_files:
+        if cfg is not None:
+            problems.extend(output_dir_problems(cfg))
         if view.train_files == []:
             problems.append("data.train_files: no training data given. Pass data.train_files=FILE.parquet; "
                             "`rlx data prepare gsm8k --out DIR` writes one.")
@@ -176,7 +214,46 @@ def _core_keys(section: str) -> list[str]:
     return list(model.model_fields) if isinstance(model, type) else []
 
 
-def load_config(pm: PluginManager, *, preset: str | None = None, config_file: str | None = None,
+# The kernel's virtual file systems: writing a run there fails or, worse, changes the system.
+VIRTUAL_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_dir_problems(cfg: RLXConfig) -> list[str]:
+    """Why the run folder could not be created or written, checked before any model is loaded.
+
+    The folder itself is created by the trainer; this only looks at what is already on disk.
+    """
+    run_dir = Path(os.path.abspath(cfg.run_dir()))
+    where = f"trainer.output_dir: the run folder {run_dir}"
+    try:
+        real = run_dir.resolve()
+        for root in VIRTUAL_ROOTS:
+            if real == root or root in real.parents:
+                return [f"{where} lies in {root}, a virtual file system of the kernel. Choose a folder on a disk."]
+        existing = run_dir
+        while not existing.exists():  # the deepest part of the path that is there
+            existing = existing.parent
+        if not existing.is_dir():
+            if existing == run_dir:
+                return [f"{where} is a file, not a folder. Move the file or choose another trainer.output_dir."]
+            return [f"{where} cannot be created: {existing} is a file, not a folder. "
+                    "Choose another trainer.output_dir."]
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "is" if existing == run_dir else f"cannot be created: {existing} is"
+            return [f"{where} {what} not writable by this user. Choose another trainer.output_dir."]
+    except OSError as exc:
+        return [f"{where} cannot be checked: {exc}. Choose another trainer.output_dir."]
+    return []
+
+
+def check_output_dir(cfg: RLXConfig) -> None:
+    """Raise a :class:`ConfigError` if the run folder could not be created or written."""
+    problems = output_dir_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def load_config(pm: PluginManager, *, preset: str | None = None, config_file: str | Sequence[str] | None = None,
                 shortcuts: dict[str, str | None] | None = None, overrides: list[str] | None = None,
                 check_files: bool = True) -> Resolved:
     raw = build_raw(preset=preset, config_file=config_file, shortcuts=shortcuts, overrides=overrides)
