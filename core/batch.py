@@ -116,7 +116,10 @@ def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
     for part in parts:
         tensors = dict(part.tensors)
         for keys, left in ((_PROMPT_KEYS, True), (_RESPONSE_KEYS, False)):
-            width = max(p[next(iter(keys))].shape[1] for p in parts)
+            first = next(iter(keys))
+            if first not in part.tensors:  # not a rollout batch (e.g. log-probs of equal width)
+                continue
+            width = max(p[first].shape[1] for p in parts)
             for key, fill in keys.items():
                 if key in tensors and tensors[key].shape[1] < width:
                     extra = width - tensors[key].shape[1]

@@ -268,18 +268,30 @@ class Logger(Protocol):
 
 # ---------------------------------------------------------------------------------------------
 # Launchers and worker groups
+@dataclass(frozen=True)
+class DispatchInfo:
+    """What a worker reports after it is built: its data-parallel rank and group size, and whether its
+    results are collected (under tensor or sequence parallelism several ranks share one data shard and
+    only one of them returns it). Workers without ``dispatch_info()`` are their own data-parallel rank."""
+
+    dp_rank: int
+    dp_size: int
+    collect: bool = True
+
+
 @runtime_checkable
 class WorkerGroup(Protocol):
     """Workers of one role. The controller calls methods on the group, never on a worker.
 
-    ``call(method, batch)`` splits ``batch`` by data-parallel rank, runs ``method`` on each worker
-    and gathers the results (batches are concatenated, metric dicts averaged).
-    ``call_all(method, *args)`` runs ``method`` on every worker with the same arguments.
+    ``call(method, data, *args)`` splits ``data`` by data-parallel rank (a batch into chunks; a list of
+    batches, e.g. the mini-batches of an update, chunk by chunk), runs ``method`` on every worker with
+    its share, and gathers the collected results (batches concatenated, metric dicts averaged, lists
+    entry by entry). ``call_all(method, *args)`` runs ``method`` on every worker with the same arguments.
     """
 
     world_size: int
 
-    def call(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Any: ...
+    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any: ...
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
@@ -288,7 +300,18 @@ class WorkerGroup(Protocol):
 
 @runtime_checkable
 class Launcher(Protocol):
-    def create_group(self, role: str, build: Callable[[int, int], Any], world_size: int) -> WorkerGroup:
-        """Start ``world_size`` workers, each built on its own process by ``build(rank, world_size)``."""
+    """Places the workers. ``build(rank, world_size)`` is picklable and builds one worker where it runs.
+
+    ``where="workers"``: on the launcher's worker processes (every trained role and the rollout engine);
+    ``where="driver"``: in the controller's own process (the reward).
+    """
+
+    def create_group(self, role: str, build: Callable[[int, int], Any], where: str = "workers") -> WorkerGroup: ...
+
+    def transfer_weights(self, src: WorkerGroup, dst: WorkerGroup) -> None:
+        """Load the source role's current weights into the destination (actor -> rollout engine)."""
+
+    def abort(self) -> None:
+        """Stop every worker after an error (they may be blocked in a collective)."""
 
     def shutdown(self) -> None: ...

@@ -80,11 +80,20 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
             metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
 
 
+def _call_factory(factory: Any, options: Any, ctx: BuildContext, rank: int, world_size: int) -> Any:
+    return factory(options, ctx)
+
+
 class Trainer:
     def __init__(self, resolved: Resolved, pm: PluginManager) -> None:
         self.resolved, self.cfg, self.pm = resolved, resolved.config, pm
         self.config_dict = resolved.as_dict()  # with every plugin's defaults: config.yaml, loggers, hooks
         cfg = self.cfg
+        self.ctx = BuildContext(cfg, RunInfo(str(cfg.run_dir()), cfg.trainer.project, cfg.trainer.experiment,
+                                             self.config_dict), pm)
+        # First, so that under torchrun the ranks other than 0 go straight to serving rank 0 (they never
+        # return from here) and only rank 0 touches the run folder.
+        self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume_from = self._find_resume()
@@ -179,35 +188,43 @@ class Trainer:
             extra={"min_lr_ratio": c.optim.min_lr_ratio,
                    "log_prob_micro_batch_size": c.forward_micro_batch_size_per_device})
 
+    def _builder(self, kind: str, name: str, options_key: str) -> Any:
+        """A picklable ``build(rank, world_size)`` that calls the component's factory where the worker
+        runs (another process, under a multi-process launcher): the factory, its options and a build
+        context carrying the config, the run and the tokenizer, but not the plugin manager."""
+        factory = self.pm.get(kind, name).load_factory()
+        ctx = dataclasses.replace(self.ctx, plugins=None)
+        return partial(_call_factory, factory, self.resolved.options.get(options_key), ctx)
+
     def _build_roles(self) -> None:
         cfg = self.cfg
-        self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
         self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")
-        backend = self._build("backend", cfg.backend.name, "backend")
-        self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)), 1)
-        self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)), 1)
+        backend = self._build("backend", cfg.backend.name, "backend")  # a picklable builder of workers
+        self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)))
+        self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)))
                     if self.algorithm.needs_ref else None)
         # The critic (value model) only when the algorithm's advantages need values.
-        self.critic = (self.launcher.create_group("critic", partial(backend.worker, self._critic_spec()), 1)
+        self.critic = (self.launcher.create_group("critic", partial(backend.worker, self._critic_spec()))
                        if self.algorithm.needs_critic else None)
-        rollout = self._build("rollout", cfg.rollout.name, "rollout")
-        self.rollout = self.launcher.create_group("rollout", lambda rank, world: rollout, 1)
+        self.rollout = self.launcher.create_group("rollout", self._builder("rollout", cfg.rollout.name, "rollout"))
+        # The reward runs here, on the driver: it needs the decoded responses, the data rows and the tokenizer.
         reward_fn = self._build("reward", cfg.reward.name, "reward")
         self.reward = self.launcher.create_group(
-            "reward", lambda rank, world: RewardWorker(reward_fn, self.tokenizer, cfg.reward.name, cfg.reward), 1)
+            "reward", lambda rank, world: RewardWorker(reward_fn, self.tokenizer, cfg.reward.name, cfg.reward),
+            where="driver")
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
-        if self.resume_from is not None:
-            self._load(self.resume_from)
-        self.launcher.transfer_weights(self.actor, self.rollout)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
-        self.pm.hook.rlx_on_train_start(config=self.config_dict, output_dir=str(self.run_dir))
-        if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
-            self._log(self.validate(), self.step)
         metrics: dict[str, float] = {}
         try:
+            if self.resume_from is not None:
+                self._load(self.resume_from)
+            self.launcher.transfer_weights(self.actor, self.rollout)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+            self.pm.hook.rlx_on_train_start(config=self.config_dict, output_dir=str(self.run_dir))
+            if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
+                self._log(self.validate(), self.step)
             while self.step < self.total_steps:
                 self.step += 1
                 metrics = self.train_step(self._next_examples())
@@ -224,6 +241,9 @@ class Trainer:
             if cfg.trainer.save_hf_model:
                 self.save_hf(self.run_dir / "hf_model")
             self.pm.hook.rlx_on_train_end(step=self.step, metrics=metrics)
+        except BaseException:
+            self.launcher.abort()  # workers in other processes may be blocked in a collective
+            raise
         finally:
             for name in list(self.loggers):
                 self._call_logger(name, "finish")

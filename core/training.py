@@ -72,7 +72,8 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
                micro_size: int) -> list[dict[str, float]]:
     """One optimizer step per mini-batch (this rank's rows of it), accumulating over micro-batches.
 
-    Returns one metrics dict per step: the loss's metrics averaged over the rank's tokens, and
+    Returns one metrics dict per step: the loss's metrics averaged over the mini-batch's tokens (on every
+    rank, so the ranks return the same values), and
     ``grad_norm``, ``lr`` and ``skipped_step`` (1 when a non-finite gradient norm skipped the update).
     """
     entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", True))
@@ -94,7 +95,10 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
         grad_norm, applied, lr = engine.optimizer_step()
-        step = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        # Token-weighted over the whole mini-batch, every rank's micro-batches included.
+        keys = sorted(sums)
+        *totals, weight = engine.all_reduce([sums[k] for k in keys] + [weight])
+        step = {k: v / max(weight, 1.0) for k, v in zip(keys, totals)}
         step.update(grad_norm=grad_norm, lr=lr, skipped_step=float(not applied))
         out.append(step)
     return out

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from rlx.batch import Batch
 
 
-MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optim.pt", "rng.pt"
+MODEL_FILE, OPTIM_FILE = "model.safetensors", "optim.pt"
+
+
+def rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng_rank{rank}.pt"
 
 
 class TorchBackendOptions(BaseModel):
@@ -143,7 +147,8 @@ def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> An
 class TorchWorker:
     """One role's model on one device."""
 
-    def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto") -> None:
+    def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
+                 world_size: int = 1) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -151,6 +156,9 @@ class TorchWorker:
             torch.set_num_threads(options.num_threads)
         self.spec, self.options = spec, options
         self.device = pick_device(device)
+        # Under several processes (the launcher's --nproc) every rank holds the whole model and the
+        # gradients are summed over ranks before each step: plain replicated data parallelism.
+        self.rank, self.dp_size = rank, world_size
         torch.manual_seed(spec.seed)
         # Mixed precision: a trainable role keeps float32 master weights (AdamW on bf16 weights loses
         # small updates) and runs its forward passes under autocast in model.dtype on a GPU; a frozen
@@ -189,13 +197,19 @@ class TorchWorker:
         return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
 
     # -- the engine primitives rlx.training's shared loops use ---------------------------------
-    dp_size = 1
-
     def to_device(self, micro: Batch) -> Batch:
         return micro.to(self.device)
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        return list(values)
+        if self.dp_size == 1:
+            return list(values)
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.tolist()
 
     def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         import contextlib
@@ -221,6 +235,12 @@ class TorchWorker:
         import torch
 
         assert self.optimizer is not None
+        if self.dp_size > 1:  # each rank's loss is its share of the global mini-batch loss: sum them
+            import torch.distributed as dist
+
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
         applied = bool(torch.isfinite(grad_norm))
         if applied:
@@ -297,13 +317,14 @@ class TorchWorker:
         from safetensors.torch import save_model
 
         os.makedirs(path, exist_ok=True)
-        save_model(self.model, os.path.join(path, MODEL_FILE))
-        if self.optimizer is not None:
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       os.path.join(path, OPTIM_FILE))
+        if self.rank == 0:  # the replicas are identical; each rank keeps its own random state
+            save_model(self.model, os.path.join(path, MODEL_FILE))
+            if self.optimizer is not None:
+                torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                           os.path.join(path, OPTIM_FILE))
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   os.path.join(path, RNG_FILE))
+                   os.path.join(path, rng_file(self.rank)))
 
     def load_checkpoint(self, path: str) -> None:
         import torch
@@ -337,12 +358,18 @@ class TorchWorker:
             state = torch_load(optim_path, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-        rng = torch_load(os.path.join(path, RNG_FILE))
+        rng_path = os.path.join(path, rng_file(self.rank))
+        if not os.path.exists(rng_path) and self.rank > 0:  # resumed with more processes than were saved
+            torch.manual_seed(self.spec.seed + self.rank)
+            return
+        rng = torch_load(rng_path)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        if self.rank != 0:
+            return
         self.model.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
@@ -355,7 +382,7 @@ class TorchBackend:
         self.options, self.device = options, device
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> TorchWorker:
-        return TorchWorker(spec, self.options, self.device)
+        return TorchWorker(spec, self.options, self.device, rank, world_size)
 
 
 def build(options: TorchBackendOptions | None, ctx: BuildContext) -> TorchBackend:
