@@ -1,6 +1,6 @@
 """Running model-written Python in a sandbox: bubblewrap (Linux namespaces) plus resource limits.
 
-With ``bwrap`` (the default wherever it works) every run gets:
+With ``bwrap`` (``auto``, the default, refuses to run where it cannot) every run gets:
 
 - its own network namespace with nothing but a loopback of its own: no connection leaves it;
 - its own PID namespace: the trainer and every other process of the host are invisible and cannot be
@@ -64,8 +64,11 @@ if lim["uid"] is not None:
     os.setgroups([])
     os.setresgid(lim["uid"], lim["uid"], lim["uid"])
     os.setresuid(lim["uid"], lim["uid"], lim["uid"])
-    if os.getuid() != lim["uid"] or os.geteuid() != lim["uid"]:
+    with open("/proc/self/status", encoding="ascii") as _f:
+        _caps = [line.split()[1] for line in _f if line.startswith(("CapPrm:", "CapEff:", "CapAmb:"))]
+    if os.getuid() != lim["uid"] or os.geteuid() != lim["uid"] or len(_caps) != 3 or any(int(c, 16) for c in _caps):
         os._exit(121)
+    del _f, _caps
 for _name, _value in lim["rlimits"].items():
     resource.setrlimit(getattr(resource, _name), (_value, _value))
 del lim, resource
