@@ -2,7 +2,8 @@
 
 Registration hooks (``rlx_*s``) are collecting hooks: every plugin may answer, and each answer is
 an iterable of :class:`rlx.Component` records. Lifecycle hooks (``rlx_on_*``) are notifications:
-their return values are ignored, they observe the run and never steer it.
+their return values are ignored, they observe the run and never steer it. An exception raised by a
+lifecycle hook stops the run with a message naming the plugin, the hook and the step.
 
 A plugin is a module (or object) with functions decorated by :data:`hookimpl`, registered through
 the ``rlx`` entry-point group::
@@ -122,6 +123,9 @@ def rlx_on_checkpoint(step: int, path: str) -> None:
 def rlx_on_train_end(step: int, metrics: Mapping[str, float]) -> None:
     """Called once when training finishes normally, with the last step's metrics."""
 
+
+# Notification hooks the trainer calls through PluginManager.call_lifecycle.
+LIFECYCLE_HOOKS: tuple[str, ...] = ("rlx_on_train_start", "rlx_on_step_end", "rlx_on_checkpoint", "rlx_on_train_end")
 
 # Registration hook name -> the component kind its records must have.
 REGISTRATION_HOOKS: dict[str, str] = {

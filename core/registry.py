@@ -5,13 +5,19 @@ Rules (see docs/architecture.md):
 - A plugin that fails to import is recorded and shown as failed; everything else keeps working.
   ``RLX_STRICT_PLUGINS=1`` makes such a failure fatal.
 - ``RLX_DISABLE_PLUGINS=a,b`` skips the named entry points (or every plugin of the named
-  distributions).
-- Two components of the same kind and name are an error that names both distributions.
+  distributions); a name that matches neither is reported on stderr.
+- Two components of the same kind and name, or two distributions with the same entry-point name, are
+  an error that names both distributions: a plugin can never silently replace another.
+- A plugin whose ``rlx_cli_commands`` hook fails is recorded as failed; the CLI keeps working.
+- Faults of a plugin while a run is built or running (:meth:`PluginManager.build`,
+  :meth:`PluginManager.call_lifecycle`) become a :class:`UserError` naming the plugin and its distribution.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -47,6 +53,7 @@ class PluginManager:
         self.plugins: list[PluginRecord] = []
         self._components: dict[tuple[str, str], Component] | None = None
         self._origin: dict[int, tuple[str, str, str]] = {}
+        self._clashes: list[str] = []  # entry-point names used by two distributions
 
     # -- registration -------------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, distribution: str = "", version: str = "") -> None:
@@ -69,13 +76,22 @@ class PluginManager:
         if disabled is None:
             disabled = [d.strip() for d in os.environ.get("RLX_DISABLE_PLUGINS", "").split(",") if d.strip()]
         off = set(disabled)
-        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist, ver = _dist_of(ep)
+        found = sorted(((ep, *_dist_of(ep)) for ep in entry_points(group=ENTRY_POINT_GROUP)),
+                       key=lambda e: (e[0].name, e[1]))
+        _warn_unmatched(off, found)
+        by_name: dict[str, list[tuple[EntryPoint, str, str]]] = defaultdict(list)
+        for ep, dist, ver in found:
             if any(p.name == ep.name for p in self.plugins):
                 continue
             if ep.name in off or dist in off:
                 self.plugins.append(PluginRecord(ep.name, dist, ver, "disabled"))
                 continue
+            by_name[ep.name].append((ep, dist, ver))
+        for name, eps in by_name.items():
+            if len(eps) > 1:
+                self._clash(name, eps, strict)
+                continue
+            ep, dist, ver = eps[0]
             try:
                 plugin = ep.load()
                 self.pm.register(plugin, name=ep.name)
@@ -95,6 +111,17 @@ class PluginManager:
             self.plugins.append(PluginRecord(ep.name, dist, ver, "ok", hooks=self._hook_names(plugin)))
         self._components = None
 
+    def _clash(self, name: str, eps: list[tuple[EntryPoint, str, str]], strict: bool) -> None:
+        """Several distributions register the entry point ``name``: none is loaded, since which one
+        would win depends on the order of sys.path. Asking for components then fails (see :meth:`components`)."""
+        dists = " and ".join(f"{dist} {ver}" for _, dist, ver in eps)
+        message = f"The rlx plugin entry point {name!r} is registered by several distributions: {dists}."
+        if strict:
+            raise UserError(message, _CLASH_HINT)
+        self._clashes.append(message)
+        for _, dist, ver in eps:
+            self.plugins.append(PluginRecord(name, dist, ver, "failed", error=message))
+
     def _hook_names(self, plugin: Any) -> list[str]:
         return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
 
@@ -103,6 +130,8 @@ class PluginManager:
         """Every registered component, keyed by (kind, name)."""
         if self._components is not None:
             return self._components
+        if self._clashes:
+            raise UserError(" ".join(self._clashes), _CLASH_HINT)
         found: dict[tuple[str, str], Component] = {}
         collected: list[Component] = []
         for hook_name, kind in hookspecs.REGISTRATION_HOOKS.items():
@@ -138,12 +167,14 @@ class PluginManager:
         self._components = dict(sorted(found.items()))
         return self._components
 
-    def _mark_failed(self, plugin_name: str, exc: BaseException) -> None:
+    def _mark_failed(self, plugin_name: str, exc: BaseException, where: str = "") -> None:
         if _env_flag("RLX_STRICT_PLUGINS"):
-            raise UserError(f"Plugin {plugin_name!r} is broken: {exc}")
+            raise UserError(f"Plugin {plugin_name!r} is broken{' in ' + where if where else ''}: {exc}")
         for rec in self.plugins:
             if rec.name == plugin_name:
-                rec.status, rec.error = "failed", describe_exception(exc)
+                rec.status = "failed"
+                rec.error = f"{where}: {describe_exception(exc)}" if where else describe_exception(exc)
+        self._components = None  # its components are gone
 
     def names(self, kind: str) -> list[str]:
         return [name for (k, name) in self.components() if k == kind]
@@ -170,13 +201,85 @@ class PluginManager:
         """Every component with this name, of any kind."""
         return [c for (_, n), c in self.components().items() if n == name]
 
+    def build(self, kind: str, name: str, options: Any, ctx: Any) -> Any:
+        """Build a component: ``factory(options, ctx)``. A factory that cannot be imported or that raises is
+        a :class:`UserError` naming the component, its plugin and distribution (a ``UserError`` the factory
+        raises itself already says what to fix and passes through)."""
+        comp = self.get(kind, name)
+        what = f"{kind} {name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+        try:
+            factory = comp.load_factory()
+        except Exception as exc:
+            raise UserError(f"Cannot import the factory {comp.factory!r} of {what}: {describe_exception(exc)}",
+                            "Reinstall or update that plugin, or report the fault to its authors.") from exc
+        try:
+            return factory(options, ctx)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"Building {what} failed: {describe_exception(exc)}",
+                            "If the message is about your model, data or options, fix them; otherwise report "
+                            "it to the plugin's authors.") from exc
+
     # -- lifecycle ----------------------------------------------------------------------------
     @property
     def hook(self) -> Any:
         return self.pm.hook
 
+    def call_lifecycle(self, hook_name: str, **kwargs: Any) -> None:
+        """Call a lifecycle hook (``rlx_on_step_end``, ...) one plugin at a time, in pluggy's order.
+
+        A plugin that raises stops the run with a :class:`UserError` naming the plugin, its distribution,
+        the hook and the step, instead of a traceback from inside pluggy.
+        """
+        if hook_name not in hookspecs.LIFECYCLE_HOOKS:
+            raise ValueError(f"{hook_name!r} is not a lifecycle hook: {', '.join(hookspecs.LIFECYCLE_HOOKS)}")
+        for impl, call in self._one_by_one(hook_name):
+            try:
+                call(**kwargs)
+            except Exception as exc:
+                name, dist, ver = self._origin.get(id(impl.plugin), (impl.plugin_name, impl.plugin_name, ""))
+                at = f" at step {kwargs['step']}" if "step" in kwargs else ""
+                raise UserError(f"Plugin {name!r} (distribution {dist} {ver}) failed in {hook_name}{at}: "
+                                f"{describe_exception(exc)}",
+                                f"Fix or update that plugin, or turn it off with RLX_DISABLE_PLUGINS={name}."
+                                ) from exc
+
     def add_cli_commands(self, app: Any) -> None:
-        self.pm.hook.rlx_cli_commands(app=app)
+        """Let every plugin add its commands to ``app``. A plugin whose hook raises, or adds a command that
+        typer cannot build, is recorded as failed and its additions are taken back: one broken plugin
+        must not break ``rlx --help`` or any other command."""
+        import typer.main
+
+        for impl, call in self._one_by_one("rlx_cli_commands"):
+            commands, groups = len(app.registered_commands), len(app.registered_groups)
+            try:
+                call(app=app)
+                typer.main.get_command(app)
+            except Exception as exc:
+                del app.registered_commands[commands:]
+                del app.registered_groups[groups:]
+                self._mark_failed(impl.plugin_name, exc, where="rlx_cli_commands")
+
+    def _one_by_one(self, hook_name: str) -> list[tuple[Any, Any]]:
+        """Each implementation of a hook with a caller of just that one, in the order pluggy calls them."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        return [(impl, self.pm.subset_hook_caller(hook_name, [o.plugin for o in impls if o is not impl]))
+                for impl in reversed(impls)]
+
+
+_CLASH_HINT = ("Uninstall one of them, or turn one off with RLX_DISABLE_PLUGINS=<distribution name> "
+               "(the entry point name would turn off both).")
+
+
+def _warn_unmatched(off: set[str], found: list[tuple[EntryPoint, str, str]]) -> None:
+    """A name in RLX_DISABLE_PLUGINS that turns nothing off is most likely a typo: say so on stderr."""
+    names = sorted({ep.name for ep, _, _ in found})
+    dists = sorted({dist for _, dist, _ in found})
+    for unknown in sorted(off - set(names) - set(dists)):
+        print(f"Warning: RLX_DISABLE_PLUGINS names {unknown!r}, which is neither an rlx plugin entry point nor "
+              f"a distribution providing one, so it turns nothing off.{did_you_mean(unknown, names + dists)} "
+              f"Entry points: {', '.join(names)}. Distributions: {', '.join(dists)}.", file=sys.stderr)
 
 
 def _env_flag(name: str) -> bool:

@@ -180,6 +180,7 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True)
         problems.extend(exc.problems)
         cfg = None
     view = _view_of(cfg) if cfg is not None else _view_of_raw(raw)
+    pm.components()  # two plugins claiming one name: one error of its own, not one per section that asks
     options: dict[str, Any] = {}
     for section, (name, given) in view.sections.items():
         options[section] = _component_options(pm, COMPONENT_SECTIONS[section], name, given, section,
