@@ -1,0 +1,583 @@
+"""The ``fsdp2`` and ``fsdp`` training backends: one role's model sharded over the data-parallel processes.
+
+``fsdp2`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer (the classes a Hugging Face
+model lists in ``_no_split_modules``) and then to the root; ``fsdp`` wraps the model in FSDP1's
+``FullyShardedDataParallel`` with a transformer-layer auto-wrap policy. Both keep float32 master weights and
+reduce gradients in float32; on a GPU the forward and backward passes run in ``model.dtype`` (bf16 by
+default) through FSDP's own mixed precision, on the CPU everything is float32. Everything model-independent
+(micro-batch loops, exact accumulation, non-finite skips, metrics) is the shared ``rlx.training`` step; this
+module supplies only its primitives: the data-parallel group, a gradient sum over ranks, and clipping of the
+global norm across shards.
+
+Process group. The worker uses the default (world) group that the launcher initialised before building it;
+every rank is one data-parallel rank. Without an initialised group (``--backend fsdp2`` in a single
+process) the worker initialises a one-rank group itself (gloo on the CPU, NCCL on a GPU, over an
+in-memory store), so a one-process run goes through exactly the same sharded code.
+
+Exact gradients over ranks. A loss is already divided by the *global* token count, so the mini-batch
+gradient is the *sum* of the ranks' gradients: ``fsdp2`` sets FSDP's gradient divide factor to 1;
+FSDP1 always averages, so ``fsdp`` multiplies the loss by the data-parallel size before ``backward``.
+
+Model loading (say which and why). ``fsdp2``: meta-device init and a rank-0 load. Every rank builds the
+model from its config on the meta device (no memory), shards it and allocates only its own shards; rank 0
+alone reads the Hugging Face folder to CPU memory, and ``set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)`` sends each rank its shards; buffers that are not in the state dict (the
+rotary ``inv_freq``) are broadcast from rank 0. Peak host memory is one full model on rank 0 and one
+shard elsewhere, so 8 ranks of a machine do not hold 8 copies. ``fsdp``: every rank loads the folder to
+its CPU memory and FSDP1 shards it (every rank reads the same files, and a new value head is initialised
+from the role's seed, so the copies agree without a broadcast). FSDP1's
+meta-device path (``param_init_fn``) re-creates each module's parameters one module at a time, which
+unties tied embeddings (``lm_head.weight`` is ``embed_tokens.weight`` in many small models); FSDP1 is the
+legacy engine, kept for users who need it, and its peak host memory is one model per rank during load.
+
+Checkpoints (``torch.distributed.checkpoint``). Model and optimizer state are written by all ranks
+together into ``PATH/dcp`` (each rank its shards) and are resharded on load: a checkpoint written by N
+ranks loads into M ranks, for any N and M. The scheduler state and the RNG states are per rank
+(``PATH/rank{r}.pt``, plain tensor files read with ``weights_only``); they are not resharded. On a load
+with more ranks than wrote the checkpoint, a new rank r takes rank 0's scheduler state (the schedule is the
+same on every rank) and seeds its RNG with ``seed + r``. Loading never unpickles anything: DCP's reader
+would ``pickle.load`` the ``.metadata`` file and its planner ``torch.load(weights_only=False)`` every
+non-tensor entry; here the metadata is read by an unpickler that accepts only DCP's metadata classes and
+the few torch and builtin types they hold, and non-tensor entries load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import Component, hookimpl
+from rlx.context import BuildContext
+from rlx.errors import UserError
+from rlx.plugins.backends.torch_local import (
+    TorchBackendOptions,
+    TorchWorker,
+    load_value_model,
+    lr_lambda,
+    pick_device,
+    resolve_dtype,
+)
+from rlx.protocols import RoleSpec
+
+if TYPE_CHECKING:
+    import torch
+
+DCP_DIR = "dcp"
+
+
+class FSDPCommonOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained.")
+    cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer states in CPU "
+                                                 "memory between uses (GPU only; slower, far less GPU memory).")
+
+
+class FSDP2Options(FSDPCommonOptions):
+    reshard_after_forward: bool = Field(
+        True, description="Free the gathered parameters after each layer's forward pass (ZeRO-3); False keeps "
+                          "them until the backward pass (ZeRO-2-like: more memory, fewer all-gathers).")
+
+
+class FSDPOptions(FSDPCommonOptions):
+    pass
+
+
+def ensure_process_group(device: str) -> None:
+    """A one-rank group (gloo on the CPU, NCCL on a GPU) when no launcher initialised one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+
+
+def rank_device(requested: str) -> str:
+    """This rank's device: ``cpu``, or the GPU of its local rank (``LOCAL_RANK``, else rank modulo the
+    visible GPUs), which becomes the current CUDA device."""
+    import torch
+    import torch.distributed as dist
+
+    device = pick_device(requested)
+    if device == "cpu":
+        return device
+    if ":" in device:
+        index = int(device.split(":", 1)[1])
+    else:
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UserError(f"trainer.device={requested} but no GPU is visible.",
+                            "Use trainer.device=cpu, or run on a machine with a GPU.")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        index = int(os.environ.get("LOCAL_RANK", rank % count))
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+# -- safe reading of DCP checkpoints --------------------------------------------------------------
+# The classes a DCP ``.metadata`` pickle of model and optimizer state holds; nothing else is built.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
+    ("torch", "Size"), ("torch", "device"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("copyreg", "_reconstructor"), ("builtins", "object"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        # dtypes, layouts and memory formats pickle as attributes of the torch module
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+
+def read_dcp_metadata(stream: Any, path: str) -> Any:
+    """The ``Metadata`` of a DCP checkpoint, read without running code; anything else is refused."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise UserError(f"Refused to load {path}: its metadata is not a plain DCP checkpoint index that can be "
+                        f"read without running code ({exc}).",
+                        "rlx never unpickles arbitrary objects from checkpoints. Resume from a checkpoint "
+                        "written by rlx.") from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"Refused to load {path}: its metadata holds a {type(metadata).__name__}, not a "
+                        "DCP Metadata.", "Resume from a checkpoint written by rlx.")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", "")
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise UserError(f"Refused to load {path}: it points at a file outside its folder ({name!r}).",
+                            "Resume from a checkpoint written by rlx.")
+    return metadata
+
+
+def _safe_reader(path: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader with metadata read by :func:`read_dcp_metadata` instead of ``pickle.load``;
+        the tensor payloads themselves are read by DCP with ``torch.load(weights_only=True)``."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta_path = self._get_metadata_path(kwargs.get("rank"))
+            try:
+                with self.fs.create_stream(meta_path, "rb") as stream:
+                    metadata = read_dcp_metadata(stream, str(meta_path))
+            except FileNotFoundError:
+                raise UserError(f"{meta_path} is missing: {path} is not a complete sharded checkpoint.",
+                                "Resume from another checkpoint.") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(path)
+
+
+def _safe_planner() -> Any:
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """Non-tensor entries (optimizer hyper-parameters) load with ``weights_only=True``; DCP's own
+        ``load_bytes`` unpickles them in full."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+                raise UserError(f"Refused to load the checkpoint entry {fqn}: it is not a plain value that can "
+                                f"be read without running code ({exc}).",
+                                "Resume from a checkpoint written by rlx.") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeLoadPlanner(allow_partial_load=False)
+
+
+# -- the worker -----------------------------------------------------------------------------------
+class FSDPWorker(TorchWorker):
+    """One role's model sharded over the data-parallel group (``fsdp2`` or ``fsdp``).
+
+    It reuses :class:`TorchWorker`'s forward passes, inference and update loop (``rlx.training``) and
+    replaces how the model is built and the primitives that cross ranks.
+    """
+
+    def __init__(self, spec: RoleSpec, options: FSDP2Options | FSDPOptions, device: str = "auto",
+                 engine: Literal["fsdp2", "fsdp"] = "fsdp2") -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if options.cpu_offload and pick_device(device) == "cpu":
+            raise UserError(f"{engine}.cpu_offload=true needs a GPU (trainer.device=cpu keeps everything on "
+                            "the CPU already).", f"Set {engine}.cpu_offload=false or trainer.device=cuda.")
+        ensure_process_group(pick_device(device))
+        self.spec, self.options, self.engine = spec, options, engine
+        self.device = rank_device(device)
+        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.comm_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.mesh = init_device_mesh(torch.device(self.device).type, (self.dp_size,))
+        self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
+        # Trainable roles keep float32 master weights and compute in model.dtype through FSDP's mixed
+        # precision; a frozen role (the reference) is stored in model.dtype.
+        self.master_dtype = torch.float32 if spec.trainable else self.compute_dtype
+        self.autocast = False  # FSDP casts parameters itself; no autocast around the forward passes
+        torch.manual_seed(spec.seed)
+        if engine == "fsdp2":
+            self.model = self._build_fsdp2()
+        else:
+            self.model = self._build_fsdp1()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        if spec.trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.betas,
+                                               weight_decay=spec.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        else:
+            self.model.eval()
+            self.model.requires_grad_(False)
+
+    # -- building --------------------------------------------------------------------------------
+    def _load_full(self) -> Any:
+        """The role's Hugging Face model from its folder, on the CPU in the master dtype."""
+        from transformers import AutoModelForCausalLM
+
+        if self.spec.value_head:
+            return load_value_model(self.spec, self.master_dtype, self.options.attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(
+            self.spec.model_path, dtype=self.master_dtype, trust_remote_code=self.spec.trust_remote_code,
+            attn_implementation=self.options.attn_implementation)
+
+    def _empty_model(self) -> Any:
+        """The role's model built from its config on the meta device (no memory, no initialisation)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+        spec = self.spec
+        kwargs: dict[str, Any] = {"num_labels": 1} if spec.value_head else {}
+        config = AutoConfig.from_pretrained(spec.model_path, trust_remote_code=spec.trust_remote_code, **kwargs)
+        if spec.value_head:
+            config.classifier_dropout = 0.0
+        cls = AutoModelForTokenClassification if spec.value_head else AutoModelForCausalLM
+        with torch.device("meta"):
+            return cls.from_config(config, dtype=self.master_dtype, trust_remote_code=spec.trust_remote_code,
+                                   attn_implementation=self.options.attn_implementation)
+
+    def _remember(self, model: Any) -> None:
+        """What ``save_pretrained`` needs of the unwrapped model: its class, config, generation config."""
+        from transformers import GenerationConfig
+
+        self.hf_class, self.hf_config = type(model), model.config
+        try:
+            self.generation_config: Any = GenerationConfig.from_pretrained(self.spec.model_path)
+        except OSError:
+            self.generation_config = getattr(model, "generation_config", None)
+        if self.spec.trainable and self.spec.gradient_checkpointing:
+            # non-reentrant checkpointing: the re-entrant form does not work with FSDP's hooks
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _layer_classes(self, model: Any) -> set[type]:
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+        if not classes:
+            raise UserError(f"Cannot shard {self.spec.model_path!r} with {self.engine}: its model class "
+                            f"{type(model).__name__} names no decoder-layer class (_no_split_modules).",
+                            "Use the torch backend for this model.")
+        return classes
+
+    def _build_fsdp2(self) -> Any:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        options = self.options
+        assert isinstance(options, FSDP2Options)
+        model = self._empty_model()
+        self._remember(model)
+        full = self._load_full() if self.dp_rank == 0 else None
+        mp = MixedPrecisionPolicy()
+        if self.spec.trainable and self.compute_dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": options.reshard_after_forward, "mp_policy": mp,
+                  "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()}
+        layers = self._layer_classes(model)
+        for module in list(model.modules()):
+            if type(module) in layers:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        model.to_empty(device="cpu" if options.cpu_offload else self.device)
+        state = full.state_dict() if full is not None else {}
+        set_model_state_dict(model, state, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, cpu_offload=options.cpu_offload))
+        # Buffers outside the state dict (rotary inv_freq) are plain, unsharded tensors: rank 0's values.
+        loaded = dict(full.named_buffers()) if full is not None else {}
+        for name, buf in model.named_buffers():
+            tmp = (loaded[name] if full is not None else torch.empty_like(buf, device="cpu")).to(self.comm_device)
+            dist.broadcast(tmp, src=0)
+            buf.copy_(tmp)
+        del full, state
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # A plain sum over ranks (losses divide by global counts): gloo has neither AVG nor
+                # PREMUL_SUM, and a SUM with no scaling is also the cheapest reduction under NCCL.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _build_fsdp1(self) -> Any:
+        import torch
+        from torch.distributed.fsdp import CPUOffload, MixedPrecision
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = self._load_full()
+        self._remember(model)
+        mp = None
+        if self.spec.trainable and self.compute_dtype != torch.float32:
+            mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                                buffer_dtype=torch.float32)
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(self._layer_classes(model)), mixed_precision=mp,
+                    cpu_offload=CPUOffload(offload_params=self.options.cpu_offload),
+                    device_id=torch.device(self.device), device_mesh=self.mesh, use_orig_params=True)
+
+    # -- the engine primitives rlx.training's shared loops use ---------------------------------
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return [float(v) for v in t.tolist()]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # FSDP1 divides the reduced gradient by the world size; the loss is already a global mean
+        (loss * self.dp_size if self.engine == "fsdp" else loss).backward()
+
+    def optimizer_step(self) -> tuple[float, bool, float]:
+        import torch
+
+        assert self.optimizer is not None
+        if self.engine == "fsdp":
+            grad_norm = self.model.clip_grad_norm_(self.spec.grad_clip)
+        else:
+            grad_norm = self._clip_fsdp2(self.spec.grad_clip)
+        applied = bool(torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+        else:  # a bad batch must not poison the weights: skip the update and report it
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return float(grad_norm), applied, lr
+
+    def _clip_fsdp2(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a global L2 norm over all shards of all ranks; return that norm.
+
+        The norm is computed from the local shards and all-reduced on the communication device, so it
+        also works when the gradients live in CPU memory under an NCCL group (cpu_offload), where a
+        DTensor reduction would run NCCL on CPU tensors. The clip coefficient is torch's own formula.
+        """
+        import torch
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        sq = torch.zeros((), dtype=torch.float32, device=self.comm_device)
+        for g in local:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(self.comm_device) ** 2
+        dist.all_reduce(sq)
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total.cpu()
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _sharded_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+
+    def _full(self, t: Any) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            if t.device.type != self.comm_device:  # CPU-offloaded shards under NCCL
+                t = t.to(self.comm_device)
+            return t.full_tensor()
+        return t
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors with Hugging Face names, one at a time, on every rank (all ranks must iterate:
+        each tensor is an all-gather of its shards)."""
+        for name, tensor in self._sharded_state().items():
+            yield name, self._full(tensor).detach()
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """:meth:`named_weights` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self.named_weights():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            return {"model": self._sharded_state()}
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its shards of model and optimizer (DCP, into ``path/dcp``) and its own
+        scheduler and RNG states (``path/rank{r}.pt``); returns when all ranks have finished writing."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        os.makedirs(path, exist_ok=True)
+        dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(os.path.join(path, DCP_DIR)))
+        local: dict[str, Any] = {"cpu_rng": torch.get_rng_state(),
+                                 "cuda_rng": torch.cuda.get_rng_state() if self.device != "cpu" else None}
+        if self.scheduler is not None:
+            local["scheduler"] = self.scheduler.state_dict()
+        torch.save(local, os.path.join(path, f"rank{self.dp_rank}.pt"))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        from rlx.checkpoint import torch_load
+
+        folder = os.path.join(path, DCP_DIR)
+        if not os.path.isdir(folder):
+            raise UserError(f"{folder} is missing: {path} was not written by the {self.engine} backend "
+                            "(or is damaged).", "Resume with the backend that wrote the checkpoint, or "
+                            "start a new run from the exported model.")
+        state = self._state()
+        try:
+            dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner())
+        except UserError:
+            raise
+        except Exception as exc:  # DCP wraps every rank's failure in its own exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "UserError" in str(exc) or "Refused to load" in str(exc):
+                raise UserError(f"Refused to load {folder}: {first}",
+                                "rlx never unpickles arbitrary objects from checkpoints.") from None
+            raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {first}",
+                            "The checkpoint is damaged or belongs to another model or optimizer; resume "
+                            "from another checkpoint, with the model the run was started with.") from None
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        own = os.path.join(path, f"rank{self.dp_rank}.pt")
+        local = torch_load(own if os.path.exists(own) else os.path.join(path, "rank0.pt"))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(local["scheduler"])
+        if os.path.exists(own):
+            torch.set_rng_state(local["cpu_rng"])
+            if local["cuda_rng"] is not None and self.device != "cpu":
+                torch.cuda.set_rng_state(local["cuda_rng"])
+        else:  # a rank that did not exist when the checkpoint was written
+            torch.manual_seed(self.spec.seed + self.dp_rank)
+
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        """Rank 0 writes a Hugging Face folder (safetensors, config, generation config, tokenizer) from the
+        gathered full state dict; the other ranks take part in the gather and write nothing."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dp_rank == 0:
+            with torch.device("meta"):
+                shell = self.hf_class(self.hf_config)
+            if self.generation_config is not None:
+                shell.generation_config = self.generation_config
+            shell.save_pretrained(path, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        del state
+        dist.barrier()
+
+
+class FSDPBackend:
+    """Builds :class:`FSDPWorker` s for roles; picklable so process launchers can ship it."""
+
+    def __init__(self, options: FSDP2Options | FSDPOptions, device: str, engine: Literal["fsdp2", "fsdp"]) -> None:
+        self.options, self.device, self.engine = options, device, engine
+
+    def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> FSDPWorker:
+        return FSDPWorker(spec, self.options, self.device, self.engine)
+
+
+def build_fsdp2(options: FSDP2Options | None, ctx: BuildContext) -> FSDPBackend:
+    device = ctx.config.trainer.device if ctx.config is not None else "auto"
+    return FSDPBackend(options or FSDP2Options(), device, "fsdp2")
+
+
+def build_fsdp(options: FSDPOptions | None, ctx: BuildContext) -> FSDPBackend:
+    device = ctx.config.trainer.device if ctx.config is not None else "auto"
+    return FSDPBackend(options or FSDPOptions(), device, "fsdp")
+
+
+@hookimpl
+def rlx_train_backends() -> list[Component]:
+    return [
+        Component(kind="backend", name="fsdp2", factory=build_fsdp2, config_model=FSDP2Options,
+                  summary="FSDP2 (fully_shard per decoder layer) over the data-parallel processes; "
+                          "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
+        Component(kind="backend", name="fsdp", factory=build_fsdp, config_model=FSDPOptions,
+                  summary="FSDP1 (FullyShardedDataParallel, transformer-layer wrapping); "
+                          "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
+    ]
+
+
+__all__ = ["FSDP2Options", "FSDPBackend", "FSDPOptions", "FSDPWorker", "TorchBackendOptions", "read_dcp_metadata"]
