@@ -1,11 +1,13 @@
 """Model folders and tokenizers: a folder that cannot hold a model is named precisely, before any heavy load.
 
 A model reference is a local folder or a hub id (``Qwen/Qwen2.5-0.5B-Instruct``). For a local folder,
-:func:`check_model_folder` reads only file names and ``config.json`` and says exactly what is wrong: the
-folder does not exist, is a file, is empty, has no ``config.json`` (or one that is not JSON), names a
-``model_type`` this version of transformers does not know, has no tokenizer files, or has no weights
-(or an index whose shards are missing). A hub id is left to ``from_pretrained``, whose failure
-(offline, unknown id) :func:`load_tokenizer` turns into a message. Nothing here imports torch.
+:func:`check_model_folder` reads only file names, ``config.json`` and the headers of the weight files, and
+says exactly what is wrong: the folder does not exist, is a file, is empty, has no ``config.json`` (or one
+that is not JSON), names a ``model_type`` this version of transformers does not know, has no tokenizer
+files, or has no weights (or an index whose shards are missing, or a safetensors file whose size does not
+match its header). A hub id is left to ``from_pretrained``, whose failure (offline, unknown id)
+:func:`load_tokenizer` turns into a message. Importing this module is cheap: transformers loads inside
+the functions.
 """
 
 from __future__ import annotations
@@ -110,7 +112,31 @@ def _check_model_type(config: dict[str, Any], path: str, key: str, trust_remote_
                     "otherwise fix model_type in config.json.")
 
 
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be loaded (a header that is not one, a size that does not match it),
+    read from its header alone; None if it looks whole."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > size - 8:
+                return f"its header claims {length} bytes, but the file has {size}"
+            header = json.loads(f.read(length))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"its header cannot be read ({type(exc).__name__})"
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"it has {size} bytes where its header describes {expected} (truncated or damaged)"
+    return None
+
+
 def _check_weights(folder: Path, names: list[str], path: str, key: str) -> None:
+    for name in _matching(names, ("*.safetensors",)):
+        problem = _safetensors_problem(folder / name)
+        if problem is not None:
+            raise UserError(f"{key}: {path!r}: the weight file {name} is not usable: {problem}.",
+                            "Copy or download the file again.")
     for index in _INDEX_FILES:
         if index in names:
             try:

@@ -107,6 +107,21 @@ def test_no_weights_or_missing_shards(model_copy):
     check_model_folder(str(model_copy), weights=False)
 
 
+def test_truncated_or_damaged_safetensors(model_copy):
+    weights = model_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    assert f"the weight file model.safetensors is not usable: it has {len(data) - 100} bytes where its header " \
+           f"describes {len(data)} (truncated or damaged)" in problem(model_copy)
+    weights.write_bytes(data[:20])
+    assert "its header claims" in problem(model_copy)
+    weights.write_bytes(data[:8] + b"x" * (len(data) - 8))
+    assert "its header cannot be read (UnicodeDecodeError)" in problem(model_copy) or \
+        "its header cannot be read (JSONDecodeError)" in problem(model_copy)
+    weights.write_bytes(data)
+    check_model_folder(str(model_copy))
+
+
 def test_load_tokenizer_names_the_problem_instead_of_a_converter_message(tmp_path, model_copy):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="is empty"):
