@@ -214,10 +214,16 @@ def write_package(kind: str, name: str, out: Path, *, force: bool = False) -> Pa
                         "(e.g. exact_match).")
     from rlx.registry import get_plugin_manager
 
-    taken = get_plugin_manager().components().get(("reward", name))
+    pm = get_plugin_manager()
+    taken = pm.components().get(("reward", name))
     if taken is not None:
         raise UserError(f"A reward named {name!r} is already installed (from {taken.distribution}); two would "
                         "clash.", "Choose another name.")
+    # The package's entry point is named after the reward; two distributions with one entry-point name clash.
+    owner = next((p for p in pm.plugins if p.name == name), None)
+    if owner is not None:
+        raise UserError(f"The rlx plugin entry point name {name!r} is already used by {owner.distribution}; two "
+                        "would clash.", "Choose another name.")
     module = f"rlx_reward_{name.lower()}"
     dist = f"rlx-reward-{name.lower().replace('_', '-')}"
     cls = "".join(part.capitalize() for part in name.split("_"))

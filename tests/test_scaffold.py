@@ -70,6 +70,8 @@ def test_bad_requests_are_user_errors(tmp_path):
         write_package("reward", "2fast", tmp_path)
     with pytest.raises(UserError, match=r"A reward named 'gsm8k' is already installed \(from rlx\)"):
         write_package("reward", "gsm8k", tmp_path)
+    with pytest.raises(UserError, match=r"entry point name 'reward_gsm8k' is already used by rlx"):
+        write_package("reward", "reward_gsm8k", tmp_path)
     first = write_package("reward", "mine", tmp_path)
     with pytest.raises(UserError, match="already exists"):
         write_package("reward", "mine", tmp_path)
