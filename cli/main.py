@@ -173,8 +173,9 @@ def _resolve(config: list[str] | None, preset: str | None, backend: str | None, 
         preset = DEFAULT_PRESET
         if not any(shortcuts.values()):
             typer.echo(f"No model, config or data given: using the built-in preset {preset!r}.", err=True)
+    # Commands that check files (train, config validate) also check the run folder before any model loads.
     return load_config(_pm(), preset=preset, config_file=config, shortcuts=shortcuts, overrides=overrides,
-                       check_files=check_files)
+                       check_files=check_files, check_run_dir=check_files)
 
 
 @config_app.command("show")

@@ -25,7 +25,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 # Upper bounds of the numeric options. Each is far above any real run and low enough that a typo
 # (``rollout.n=1e19``, ``lr=1e308``) is reported here instead of overflowing int64 or turning the weights
-# into inf inside torch: batch x samples x tokens stays below 2**57 elements.
+# into inf inside torch: batch x samples x (prompt + response) tokens is at most 2**57 elements.
 MAX_TOKENS = 2**20  # data.max_prompt_length, data.max_response_length
 MAX_BATCH = 2**20  # batch and micro-batch sizes, reward.chunk_size, trainer.log_samples
 MAX_SAMPLES = 2**16  # rollout.n, rollout.val_n

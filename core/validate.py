@@ -165,10 +165,12 @@ def _view_of_raw(raw: dict[str, Any]) -> _View:
     )
 
 
-def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True) -> Resolved:
+def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
+            check_run_dir: bool = False) -> Resolved:
     """Validate everything; raise one :class:`ConfigError` with every problem found.
 
-    ``check_files`` also checks what is on disk: the data files and the run folder (:func:`output_dir_problems`).
+    ``check_files`` checks that the data files exist; ``check_run_dir`` that the run folder can be created
+    and written (:func:`output_dir_problems`), for commands that train.
     """
     from rlx.data import check_files as file_problems
 
@@ -196,9 +198,9 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True)
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
                         "or run `rlx train` with no arguments for the built-in tiny job.")
+    if check_run_dir and cfg is not None:
+        problems.extend(output_dir_problems(cfg))
     if check_files:
-        if cfg is not None:
-            problems.extend(output_dir_problems(cfg))
         if view.train_files == []:
             problems.append("data.train_files: no training data given. Pass data.train_files=FILE.parquet; "
                             "`rlx data prepare gsm8k --out DIR` writes one.")
@@ -256,6 +258,6 @@ def check_output_dir(cfg: RLXConfig) -> None:
 
 def load_config(pm: PluginManager, *, preset: str | None = None, config_file: str | Sequence[str] | None = None,
                 shortcuts: dict[str, str | None] | None = None, overrides: list[str] | None = None,
-                check_files: bool = True) -> Resolved:
+                check_files: bool = True, check_run_dir: bool = False) -> Resolved:
     raw = build_raw(preset=preset, config_file=config_file, shortcuts=shortcuts, overrides=overrides)
-    return resolve(raw, pm, check_files=check_files)
+    return resolve(raw, pm, check_files=check_files, check_run_dir=check_run_dir)
