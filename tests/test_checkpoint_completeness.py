@@ -116,3 +116,83 @@ def test_only_incomplete_checkpoints_is_a_fresh_start_not_a_resume(one_step_run,
     t = make_trainer(out, "trainer.total_steps=1")
     assert t.resume_from is None
     assert make_trainer(out, "trainer.total_steps=1", "trainer.resume=never").resume_from is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The folder helpers under the checkpoints (gaps found by scripts/mutation.py)
+def test_pruning_keeps_exactly_the_newest_complete_checkpoints(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        checkpoint.save(root, step, write_weights, {}, keep=2)
+    assert [p.name for p in checkpoint.list_complete(root)] == [f"{checkpoint.PREFIX}3", f"{checkpoint.PREFIX}4"]
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    """A second save of one step (a run resumed from it that saves it again) replaces the folder: the
+    new files only, a fresh marker, and no temporary or set-aside folder left behind."""
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 2, write_weights, {"loader": {"epoch": 0, "index": 1}})
+    (root / f"{checkpoint.PREFIX}2" / "stale.txt").write_text("from the first save")
+
+    def write_new(folder: Path) -> None:
+        write_weights(folder)
+        (folder / "actor" / "model.safetensors").write_bytes(b"new weights")
+
+    final = checkpoint.save(root, 2, write_new, {"loader": {"epoch": 0, "index": 2}})
+    assert final == root / f"{checkpoint.PREFIX}2"
+    assert not (final / "stale.txt").exists()
+    assert (final / "actor" / "model.safetensors").read_bytes() == b"new weights"
+    state = checkpoint.read_state(final)
+    assert state["loader"] == {"epoch": 0, "index": 2} and state["format"] == checkpoint.FORMAT
+    assert checkpoint.verify(final) is None
+    assert sorted(p.name for p in root.iterdir()) == [f"{checkpoint.PREFIX}2"]
+
+
+def test_replace_dir_swaps_a_folder_and_cleans_set_aside_copies(tmp_path):
+    final, tmp = tmp_path / "hf_model", tmp_path / ".tmp-hf_model"
+    final.mkdir()
+    (final / "old").write_text("old")
+    left_over = tmp_path / ".tmp-old-hf_model-1"  # from a kill between the two renames
+    left_over.mkdir()
+    tmp.mkdir()
+    (tmp / "new").write_text("new")
+    checkpoint.replace_dir(tmp, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert [p.name for p in final.iterdir()] == ["new"]
+
+
+def test_remove_tree_of_a_missing_path_is_a_no_op(tmp_path):
+    checkpoint.remove_tree(tmp_path / "never-created")
+    checkpoint.remove_tree(tmp_path / "never-created" / "file")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    checkpoint.remove_tree(link)
+    assert not link.exists() and (target / "keep").is_file(), "a link is removed, never its target"
+    checkpoint.remove_tree(target)
+    assert not target.exists()
+
+
+def test_make_dir_creates_parents_private_folders_and_refuses_links_and_files(tmp_path):
+    import stat
+
+    deep = tmp_path / "a" / "b" / "run"
+    checkpoint.make_dir(deep, private=True)
+    assert deep.is_dir() and stat.S_IMODE(deep.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    checkpoint.make_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) != 0o700
+    checkpoint.make_dir(deep, private=False)  # an existing folder is left as it is
+    assert stat.S_IMODE(deep.stat().st_mode) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(deep)
+    with pytest.raises(UserError, match="symbolic link") as exc:
+        checkpoint.make_dir(link)
+    assert "Remove the link" in (exc.value.hint or "")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match="not a folder") as exc:
+        checkpoint.make_dir(a_file)
+    assert "Move it away" in (exc.value.hint or "")
