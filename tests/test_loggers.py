@@ -17,9 +17,9 @@ from rlx.protocols import Logger, RunInfo
 from rlx.registry import PluginManager
 
 
-def make_ctx(tmp_path, resumed: bool = False) -> BuildContext:
+def make_ctx(tmp_path, resumed: bool = False, resumed_step: int = 0) -> BuildContext:
     run = RunInfo(output_dir=str(tmp_path / "out"), project="rlx-test", experiment="exp1",
-                  config={"algorithm": {"name": "grpo"}, "lr": 1e-3}, resumed=resumed)
+                  config={"algorithm": {"name": "grpo"}, "lr": 1e-3}, resumed=resumed, resumed_step=resumed_step)
     return BuildContext(config=None, run=run)
 
 
@@ -158,23 +158,28 @@ def test_jsonl_converts_array_scalars(tmp_path):
     assert row["a"] == 1.5 and row["b"] == 3.0 and row["c"] is None
 
 
-def test_jsonl_fresh_run_moves_old_file_aside_and_resume_appends(tmp_path):
+def test_jsonl_fresh_run_moves_old_file_aside_and_resume_drops_later_steps(tmp_path):
+    """A resumed run keeps the lines up to its checkpoint's step, drops the later ones (it logs those
+    steps again) and appends: each step once. A fresh run moves the old file aside."""
     path = tmp_path / "out" / "metrics.jsonl"
     first = jsonl_mod.build(jsonl_mod.JsonlOptions(), make_ctx(tmp_path))
-    first.log({"x": 1.0}, 1)
-    first.log({"x": 2.0}, 2)
+    for step in (1, 2, 3):
+        first.log({"x": float(step)}, step)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"step": 4, "x": 4.')  # the line being written when the run was killed
 
-    resumed = jsonl_mod.build(jsonl_mod.JsonlOptions(), make_ctx(tmp_path, resumed=True))
-    resumed.log({"x": 2.5}, 2)
+    resumed = jsonl_mod.build(jsonl_mod.JsonlOptions(), make_ctx(tmp_path, resumed=True, resumed_step=2))
+    assert [(r["step"], r["x"]) for r in jsonl_mod.read_metrics(path)] == [(1, 1.0), (2, 2.0)]
+    resumed.log({"x": 3.5}, 3)
     rows = jsonl_mod.read_metrics(path)
-    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (2, 2.5)]
-    assert [(r["step"], r["x"]) for r in jsonl_mod.read_metrics(path, dedupe=True)] == [(1, 1.0), (2, 2.5)]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.5)]
+    assert not list(path.parent.glob(".metrics.jsonl.tmp-*")), "the rewrite leaves no temporary file"
 
     fresh = jsonl_mod.build(jsonl_mod.JsonlOptions(), make_ctx(tmp_path))
     fresh.log({"x": 9.0}, 1)
     assert [r["x"] for r in jsonl_mod.read_metrics(path)] == [9.0]
     (old,) = (tmp_path / "out").glob("metrics.jsonl.prev-*")
-    assert len(jsonl_mod.read_metrics(old)) == 3  # nothing the earlier run wrote is lost
+    assert len(jsonl_mod.read_metrics(old)) == 3  # nothing the earlier run kept is lost
 
 
 def test_jsonl_reader_skips_a_truncated_last_line(tmp_path):
