@@ -121,17 +121,19 @@ def rank_device(requested: str) -> str:
 
 
 # -- safe reading of DCP checkpoints --------------------------------------------------------------
-# The classes a DCP ``.metadata`` pickle of model and optimizer state holds; nothing else is built.
+# The globals a DCP ``.metadata`` pickle of model and optimizer state refers to; nothing else is built.
+# Each one only builds a plain value: a dataclass, an enum member, a path, a size, a dtype or layout
+# looked up by name.
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta")
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
-    ("torch", "Size"), ("torch", "device"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("copyreg", "_reconstructor"), ("builtins", "object"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -141,9 +143,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        # dtypes, layouts and memory formats pickle as attributes of the torch module
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # pickled by name
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
 
@@ -490,6 +490,7 @@ class FSDPWorker(TorchWorker):
     def load_checkpoint(self, path: str) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         from rlx.checkpoint import torch_load
@@ -504,12 +505,14 @@ class FSDPWorker(TorchWorker):
             dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner())
         except UserError:
             raise
-        except Exception as exc:  # DCP wraps every rank's failure in its own exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if "UserError" in str(exc) or "Refused to load" in str(exc):
-                raise UserError(f"Refused to load {folder}: {first}",
-                                "rlx never unpickles arbitrary objects from checkpoints.") from None
-            raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {first}",
+        except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure into one text
+            text = str(exc)
+            if "Refused to load" in text:
+                reason = text[text.index("Refused to load"):].splitlines()[0]
+                raise UserError(reason, "rlx never unpickles arbitrary objects from checkpoints. Resume from "
+                                "a checkpoint written by rlx.") from None
+            last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [type(exc).__name__]
+            raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {last[0].strip()}",
                             "The checkpoint is damaged or belongs to another model or optimizer; resume "
                             "from another checkpoint, with the model the run was started with.") from None
         if self.optimizer is None:
@@ -533,9 +536,13 @@ class FSDPWorker(TorchWorker):
         gathered full state dict; the other ranks take part in the gather and write nothing."""
         import torch
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # One tensor gathered at a time, kept (in CPU memory) by rank 0 only. (FSDP1's own rank-0 full
+        # state dict with CPU offload crashes on CPU parameters in torch 2.13.)
+        state = {}
+        for name, tensor in self.named_weights():
+            if self.dp_rank == 0:
+                state[name] = tensor.to("cpu", copy=True)
         if self.dp_rank == 0:
             with torch.device("meta"):
                 shell = self.hf_class(self.hf_config)
