@@ -196,3 +196,57 @@ def test_make_dir_creates_parents_private_folders_and_refuses_links_and_files(tm
     with pytest.raises(UserError, match="not a folder") as exc:
         checkpoint.make_dir(a_file)
     assert "Move it away" in (exc.value.hint or "")
+
+
+def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):
+    assert checkpoint.latest(tmp_path / "missing") is None
+    (tmp_path / "empty").mkdir()
+    assert checkpoint.latest(tmp_path / "empty") is None
+    assert checkpoint.latest_verified(tmp_path / "empty") == (None, [])
+
+
+def _sealed(tmp_path: Path, marker: dict) -> Path:
+    folder = tmp_path / "checkpoints" / f"{checkpoint.PREFIX}5"
+    write_weights(folder)
+    (folder / checkpoint.MARKER).write_text(json.dumps(marker))
+    return folder
+
+
+@pytest.mark.parametrize(("files", "problem"), [
+    ({}, "no valid file manifest"),
+    ([], "no valid file manifest"),
+    ({"../outside": {"size": 1, "sha256": "0"}}, "bad manifest entry '../outside'"),
+    ({"/etc/passwd": {"size": 1, "sha256": "0"}}, "bad manifest entry '/etc/passwd'"),
+    ({"actor/model.safetensors": 7}, "bad manifest entry 'actor/model.safetensors'"),
+    ({"actor/model.safetensors": {"size": 3, "sha256": "0"}}, "has 7 bytes, 3 were written"),
+    ({"actor/missing.pt": {"size": 3, "sha256": "0"}}, "missing"),
+])
+def test_verify_rejects_a_bad_manifest_and_says_why(tmp_path, files, problem):
+    folder = _sealed(tmp_path, {"step": 5, "format": checkpoint.FORMAT, "files": files})
+    why = checkpoint.verify(folder)
+    assert why is not None and problem in why, why
+    assert str(folder / checkpoint.MARKER) in why or str(folder) in why
+
+
+def test_verify_trusts_an_old_marker_without_manifest_only_in_format_1(tmp_path):
+    assert checkpoint.verify(_sealed(tmp_path / "a", {"step": 5})) is None  # rlx 0.1.0 wrote no format
+    assert checkpoint.verify(_sealed(tmp_path / "b", {"step": 5, "format": 1})) is None
+    why = checkpoint.verify(_sealed(tmp_path / "c", {"step": 5, "format": 2}))
+    assert why is not None and "no valid file manifest" in why
+    why = checkpoint.verify(_sealed(tmp_path / "d", {"step": 6}))
+    assert why is not None and "records step 6" in why
+
+
+def test_unreadable_marker_and_missing_tensor_file_are_user_errors_with_a_fix(tmp_path):
+    folder = _sealed(tmp_path, {"step": 5})
+    (folder / checkpoint.MARKER).write_text("{not json")
+    with pytest.raises(UserError, match="not a valid checkpoint marker") as exc:
+        checkpoint.read_state(folder)
+    assert exc.value.hint == "Delete that checkpoint folder; the previous one is used instead."
+    (folder / checkpoint.MARKER).write_text(json.dumps({"step": "5"}))
+    with pytest.raises(UserError, match="no integer 'step'") as exc:
+        checkpoint.read_state(folder)
+    assert exc.value.hint == "Delete that checkpoint folder; the previous one is used instead."
+    with pytest.raises(UserError, match="is missing from the checkpoint") as exc:
+        checkpoint.torch_load(folder / "actor" / "optim.pt")
+    assert "optim.pt" in exc.value.message and "Resume from another checkpoint" in (exc.value.hint or "")
