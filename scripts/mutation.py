@@ -47,7 +47,8 @@ class Module:
 
 MODULES: dict[str, Module] = {
     "functional": Module("plugins/algorithms/functional.py", ("tests/test_functional.py", "tests/test_algorithms.py")),
-    "estimators": Module("plugins/algorithms/estimators.py", ("tests/test_functional.py", "tests/test_algorithms.py")),
+    "estimators": Module("plugins/algorithms/estimators.py",
+                         ("tests/test_estimator_wiring.py", "tests/test_functional.py", "tests/test_algorithms.py")),
     "checkpoint": Module("core/checkpoint.py", (
         "tests/test_checkpoint_completeness.py",
         "tests/test_trainer.py::test_checkpoint_write_failure_leaves_no_partial_checkpoint",
@@ -146,6 +147,22 @@ def undecorate(path: Path) -> int:
     return done
 
 
+def failing_tests(work: Path, module: Module, env: dict[str, str]) -> list[str]:
+    """The selected tests that fail on the unmutated copy. mutmut refuses to start when a test fails
+    before any mutation; such tests are deselected (and reported), since they cannot tell a mutant
+    from the original anyway."""
+    # ``python -m pytest`` in the scratch folder imports the unmutated copy (the folder is on sys.path).
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *module.tests],
+                          cwd=work, env=env, capture_output=True, text=True)
+    failed = []
+    for line in proc.stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            failed.append(line.split(" ", 2)[1])
+    if proc.returncode not in (0, 1) and not failed:
+        raise SystemExit(f"the test selection does not run in {work}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return failed
+
+
 def parse_results(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
@@ -161,6 +178,12 @@ def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RLX_TEST_CACHE=str(root / "cache"),
                PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)
+    deselected = failing_tests(work, module, env)
+    if deselected:
+        cfg = (work / "setup.cfg").read_text()
+        extra = "".join(f"    --deselect\n    {t}\n" for t in deselected)
+        (work / "setup.cfg").write_text(cfg.replace("pytest_add_cli_args =\n", "pytest_add_cli_args =\n" + extra))
+        print(f"   deselected (failing before any mutation): {deselected}", flush=True)
     log = work / "mutmut-run.log"
     start = time.monotonic()
     with open(log, "w") as f:
@@ -179,6 +202,7 @@ def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show
         # a timeout means the mutant made the tests hang: the tests noticed, it counts as killed
         "kill_rate": round((counts["killed"] + counts["timeout"]) / tested, 4) if tested else None,
         "survivors": sorted(k for k, v in results.items() if v in ("survived", "no tests", "suspicious")),
+        "deselected": deselected,
         "log": str(log),
     }
     if proc.returncode != 0 and not results:
