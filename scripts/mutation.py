@@ -28,6 +28,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -172,7 +173,8 @@ def parse_results(text: str) -> dict[str, str]:
     return out
 
 
-def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show: bool) -> dict[str, object]:
+def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show: bool, budget: float | None,
+               patterns: list[str]) -> dict[str, object]:
     work = root / name
     prepare(src, work, module)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RLX_TEST_CACHE=str(root / "cache"),
@@ -187,8 +189,18 @@ def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show
     log = work / "mutmut-run.log"
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.run([MUTMUT, "run", "--max-children", str(jobs)], cwd=work,
-                              env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([MUTMUT, "run", "--max-children", str(jobs), *patterns], cwd=work, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            # mutmut stops on Ctrl-C and keeps every result so far; the rest stay "not checked"
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     seconds = time.monotonic() - start
     listing = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=work, env=env,
                              capture_output=True, text=True)
@@ -201,6 +213,7 @@ def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show
         "counts": {k: v for k, v in counts.items() if v},
         # a timeout means the mutant made the tests hang: the tests noticed, it counts as killed
         "kill_rate": round((counts["killed"] + counts["timeout"]) / tested, 4) if tested else None,
+        "not_checked": counts["not checked"],
         "survivors": sorted(k for k, v in results.items() if v in ("survived", "no tests", "suspicious")),
         "deselected": deselected,
         "log": str(log),
@@ -221,6 +234,11 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help="default: all of " + ", ".join(MODULES))
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (default 2)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rlx-mutation"))
+    parser.add_argument("--budget", type=float, help="seconds per module; mutants not reached by then are "
+                        "reported as 'not checked' (mutmut tests the fastest first)")
+    parser.add_argument("--only", nargs="*", default=[], metavar="PATTERN",
+                        help="mutmut mutant-name patterns to test, e.g. 'rlx.trainer.x_ppo_update*' "
+                        "(one module at a time)")
     parser.add_argument("--rev", help="test this commit (git archive) instead of the working tree")
     parser.add_argument("--survivors", action="store_true", help="print the diff of every surviving mutant")
     parser.add_argument("--list", action="store_true", help="print the modules and test selections, run nothing")
@@ -243,18 +261,19 @@ def main() -> None:
     src = source_tree(args.workdir, args.rev)
     for n in names:
         print(f"== {n}: {MODULES[n].path}", flush=True)
-        reports[n] = run_module(n, MODULES[n], src, args.workdir, args.jobs, args.survivors)
+        reports[n] = run_module(n, MODULES[n], src, args.workdir, args.jobs, args.survivors, args.budget,
+                                args.only)
         r = reports[n]
         print(f"   {r['mutants']} mutants, {r['counts']}, kill rate {r['kill_rate']}, {r['seconds']} s", flush=True)
         for s in r["survivors"]:  # type: ignore[union-attr]
             print(f"   survived: {s}")
     (args.workdir / "report.json").write_text(json.dumps(reports, indent=2))
-    print(f"\n{'module':14} {'mutants':>7} {'killed':>6} {'survived':>8} {'timeout':>7} {'no tests':>8} "
-          f"{'kill rate':>9} {'seconds':>8}")
+    print(f"\n{'module':14} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} {'no tests':>8} "
+          f"{'not run':>7} {'kill rate':>9} {'seconds':>8}")
     for n, r in reports.items():
-        c = r["counts"]
-        print(f"{n:14} {r['mutants']:>7} {c.get('killed', 0):>6} {c.get('survived', 0):>8} "  # type: ignore[union-attr]
-              f"{c.get('timeout', 0):>7} {c.get('no tests', 0):>8} {r['kill_rate']!s:>9} {r['seconds']:>8}")  # type: ignore[union-attr]
+        c: dict[str, int] = r["counts"]  # type: ignore[assignment]
+        print(f"{n:14} {r['mutants']:>7} {c.get('killed', 0):>6} {c.get('timeout', 0):>7} {c.get('survived', 0):>8} "
+              f"{c.get('no tests', 0):>8} {c.get('not checked', 0):>7} {r['kill_rate']!s:>9} {r['seconds']:>8}")
     print(f"total {time.monotonic() - total_start:.0f} s; report: {args.workdir / 'report.json'}")
 
 
