@@ -129,3 +129,87 @@ def test_console_line_shows_every_field_for_any_value(value):
     assert line.count(" | ") == len(console_mod.LINE_FIELDS) + 1
     if math.isfinite(value) and value != 0:
         assert text != "0"
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (0.0, "0"), (-0.0, "0"), (1000.0, "1000"), (-1000.0, "-1000"), (123456.7, "123457"), (999.0, "999"),
+    (0.001, "0.001"), (0.000999, "1.0e-03"), (-0.0005, "-5.0e-04"), (0.012345, "0.0123"), (2.0, "2"),
+    (float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf"),
+])
+def test_console_number_format(value, text):
+    assert console_mod.fmt_number(value) == text
+
+
+def test_console_total_steps_and_finish_without_steps():
+    from rich.console import Console
+
+    for total in (0.0, -3.0, float("nan"), float("inf"), "ten"):
+        assert console_mod.format_line({"progress/total_steps": total, "reward/mean": 1.0}, 2) == "step 2 | reward 1"
+    assert console_mod.format_line({"perf/tokens_per_second": float("nan")}, 1) == "step 1 | nan tok/s"
+    out = io.StringIO()
+    logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(), console=Console(file=out, color_system=None))
+    logger.finish()
+    logger.finish()  # once only
+    assert out.getvalue() == "done: no steps logged\n"
+
+
+def test_console_samples_are_clipped_and_one_line_each():
+    from rich.console import Console
+
+    out = io.StringIO()
+    logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(samples=True, progress=False),
+                                       console=Console(file=out, width=1000, color_system=None))
+    logger.log_samples([{"prompt": "p\nq", "response": "x" * 500, "reward": 0.0}], step=4)
+    logger.log_samples([], step=5)
+    lines = out.getvalue().splitlines()
+    assert lines == ["sample 0 @ step 4 | reward 0.0", "  prompt: p\\nq", "  response: " + "x" * 299 + "…"]
+    quiet = io.StringIO()
+    off = console_mod.ConsoleLogger(console_mod.ConsoleOptions(progress=False),
+                                    console=Console(file=quiet, color_system=None))
+    off.log_samples([{"prompt": "p", "reward": 1.0}], step=1)
+    assert quiet.getvalue() == ""
+
+
+def test_jsonl_reserved_keys_and_sample_values(tmp_path):
+    import numpy as np
+    import torch
+
+    logger = jsonl_mod.build(None, make_ctx(tmp_path))
+    logger.log({"step": 99.0, "time": -1.0, "reward/mean": 0.0, "note": "text"}, 2)
+    (row,) = jsonl_mod.read_metrics(tmp_path / "out")
+    assert row["step"] == 2 and row["time"] > 0 and row["reward/mean"] == 0.0 and row["note"] == "text"
+    logger.log_samples([], step=2)
+    assert not (tmp_path / "out" / "samples.jsonl").exists()
+    logger.log_samples([{"step": 7, "prompt": "p", "reward": float("nan"), "extra": {"a": [1, float("inf")]},
+                         "t": torch.tensor([0.5, 2.0]), "n": np.float32(0.25), "flag": True, "none": None,
+                         "obj": object}], step=3)
+    (sample,) = jsonl_mod.read_metrics(tmp_path / "out" / "samples.jsonl")
+    assert sample["step"] == 3 and isinstance(sample["time"], float)
+    assert sample["reward"] is None and sample["extra"] == {"a": [1, None]} and sample["t"] == [0.5, 2.0]
+    assert sample["n"] == 0.25 and sample["flag"] is True and sample["none"] is None
+    assert sample["obj"] == str(object)
+
+
+def test_jsonl_reader_rejects_damage_inside_the_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 2, "x": 1.0}\n\n{"step": 1, "x": 0.0}\n{"step": 2, "x": 3.0}\n\n')
+    assert [r["x"] for r in jsonl_mod.read_metrics(path)] == [1.0, 0.0, 3.0]
+    assert [(r["step"], r["x"]) for r in jsonl_mod.read_metrics(path, dedupe=True)] == [(1, 0.0), (2, 3.0)]
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: not a JSON object"):
+        jsonl_mod.read_metrics(path)
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: expected a JSON object, got list"):
+        jsonl_mod.read_metrics(path)
+
+
+def test_jsonl_fresh_runs_never_overwrite_a_moved_aside_file(tmp_path):
+    for value in (1.0, 2.0, 3.0):  # three fresh runs within one second: three distinct old files
+        jsonl_mod.build(None, make_ctx(tmp_path)).log({"x": value}, 1)
+    old = sorted((tmp_path / "out").glob("metrics.jsonl.prev-*"))
+    assert len(old) == 2
+    assert sorted(jsonl_mod.read_metrics(p)[0]["x"] for p in old) == [1.0, 2.0]
+    assert jsonl_mod.read_metrics(tmp_path / "out")[0]["x"] == 3.0
+    (tmp_path / "out" / "metrics.jsonl").write_text("")
+    jsonl_mod.build(None, make_ctx(tmp_path))  # an empty file is not worth keeping
+    assert len(sorted((tmp_path / "out").glob("metrics.jsonl.prev-*"))) == 2
