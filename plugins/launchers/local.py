@@ -18,6 +18,7 @@ reports its error and dies; rank 0 then names the rank and its error, stops ever
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -215,7 +216,6 @@ def _die_with_parent() -> None:
     """Ask Linux to kill this process when its parent (rank 0) dies, so no worker is left orphaned."""
     if sys.platform != "linux":
         return
-    import contextlib
     import ctypes
     import signal
 
@@ -280,7 +280,8 @@ class ProcessLauncher:
 
         self.options = options
         self.children: list[Any] = []
-        self.stopping = False
+        self.stopping = self.failed = False
+        self.lock = threading.Lock()
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
         if under_torchrun:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -336,28 +337,34 @@ class ProcessLauncher:
                     return
                 failure = self._dead_worker(children)
                 if failure is not None and self._report(*failure):
-                    os._exit(2 if failure[1] else 1)
+                    os._exit(2 if failure[0] else 1)
 
-    def _dead_worker(self, children: list[Any]) -> tuple[int, bool, str] | None:
-        """(rank, user error?, message) of a worker that has died, waiting briefly for its own report."""
+    def _dead_worker(self, children: list[Any]) -> tuple[bool, str] | None:
+        """(user error?, message) about a worker that has died, waiting briefly for it to be gone (a collective
+        may notice a dead peer before its process is reaped) and for its own report."""
+        deadline = time.monotonic() + 2
         dead = [(r, p) for r, p in enumerate(children, start=1) if not p.is_alive()]
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = [(r, p) for r, p in enumerate(children, start=1) if not p.is_alive()]
         if not dead:
             return None
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            if not self.errors.empty():
-                return self.errors.get()
-            time.sleep(0.05)
+        with contextlib.suppress(OSError, ValueError):  # the queue is closed once the workers are stopped
+            while time.monotonic() < deadline:
+                if not self.errors.empty():
+                    rank, user, message = self.errors.get()
+                    return user, f"worker rank {rank} failed: {message}"
+                time.sleep(0.05)
         rank, proc = dead[0]
-        return rank, False, f"exited with status {proc.exitcode}"
+        return False, f"worker rank {rank} failed: exited with status {proc.exitcode}"
 
-    def _report(self, rank: int, user: bool, message: str) -> bool:
+    def _report(self, user: bool, message: str) -> bool:
         """Print the failure once (the watchdog and the main thread may both see it); stop every worker."""
         with self.lock:
             if self.failed:
                 return False
             self.failed = True
-        print(f"Error: worker rank {rank} failed: {message}\nStopping every worker.", file=sys.stderr, flush=True)
+        print(f"Error: {message}\nStopping every worker.", file=sys.stderr, flush=True)
         self._kill_children()
         return True
 
@@ -373,22 +380,25 @@ class ProcessLauncher:
             self.children = []
 
     def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None) -> list[Any]:
-        """Run ``cmd`` on every rank. A worker that died or hung ends the run here with one message (exit
-        status 1, or 2 for a user error in a worker), not with the collective's traceback."""
+        """Run ``cmd`` on every rank. A worker that died or hung ends the process here with one message
+        (exit status 1, or 2 for a user error in a worker), not with the collective's traceback; lines the
+        loggers wrote are already on disk."""
         try:
             return self.host.command(cmd, shares)
         except Exception as exc:
             failure = self._dead_worker(self.children) if self.children else None
-            if failure is None and "timeout" in str(exc).lower().replace(" ", ""):
+            if failure is None and any(w in str(exc).lower() for w in ("timed out", "timeout")):
                 alive = [r for r, p in enumerate(self.children, start=1) if p.is_alive()]
-                failure = (0, False, f"a worker did not answer within launcher.timeout_s={self.options.timeout_s:g} "
+                failure = (False, f"a worker did not answer within launcher.timeout_s={self.options.timeout_s:g} "
                            f"s during {cmd[0]} {'.'.join(str(c) for c in cmd[1:3])} (worker ranks still running: "
                            f"{alive or 'none'}); it hangs or is far slower than the others")
             if failure is None:
                 raise
             if not self._report(*failure):
                 time.sleep(60)  # the watchdog is reporting the same failure and ends the process
-            raise SystemExit(2 if failure[1] else 1) from None
+            # Not SystemExit: tearing down a process group with a broken peer aborts in C++ at exit.
+            sys.stdout.flush()
+            os._exit(2 if failure[0] else 1)
 
     def create_group(self, role: str, build: Callable[[int, int], Any],
                      where: Where = "workers") -> LocalWorkerGroup | ProcessWorkerGroup:
