@@ -111,6 +111,7 @@ def _rank_main(rank: int, world: int, port: int, engine: str, path: str, data: d
         # a checkpoint written by one rank, loaded into two
         resumed = fsdp_worker(actor_spec(path), engine)
         resumed.load_checkpoint(data["ckpt1"])
+        res["rng_after_load"] = torch.get_rng_state()
         res["from_one_metrics"] = resumed.update(shard([extra], world)[rank], actor_loss())
         res["from_one_weights"] = state(resumed.named_weights())
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -264,6 +265,12 @@ def test_checkpoints_reshard_between_one_and_two_ranks(runs: dict[str, Any], tor
         assert_weights(res["from_one_weights"], want_w, f"1 -> 2 ranks, rank {r}")
     ckpt = runs["out"] / "ckpt2"
     assert sorted(p.name for p in ckpt.iterdir()) == ["dcp", "rank0.pt", "rank1.pt"]
+    # RNG states are per rank, not resharded: rank 0 continues the saved stream, a new rank r starts
+    # from seed + r
+    saved = torch.load(runs["out"] / "ckpt1" / "rank0.pt", weights_only=True)["cpu_rng"]
+    assert torch.equal(runs["ranks"][0]["rng_after_load"], saved)
+    fresh = torch.Generator().manual_seed(actor_spec("unused").seed + 1).get_state()
+    assert torch.equal(runs["ranks"][1]["rng_after_load"], fresh)
 
 
 def test_save_pretrained_loads_with_from_pretrained(runs: dict[str, Any], torch_reference: dict[str, Any],
