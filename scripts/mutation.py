@@ -47,7 +47,8 @@ class Module:
 
 
 MODULES: dict[str, Module] = {
-    "functional": Module("plugins/algorithms/functional.py", ("tests/test_functional.py", "tests/test_algorithms.py")),
+    "functional": Module("plugins/algorithms/functional.py",
+                         ("tests/test_functional.py", "tests/test_loss_accumulation.py", "tests/test_algorithms.py")),
     "estimators": Module("plugins/algorithms/estimators.py",
                          ("tests/test_estimator_wiring.py", "tests/test_functional.py", "tests/test_algorithms.py")),
     "checkpoint": Module("core/checkpoint.py", (

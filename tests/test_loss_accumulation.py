@@ -1,0 +1,73 @@
+"""Loss terms split over micro-batches with the mini-batch's counts add up to the loss of the whole
+mini-batch, for every loss and aggregation mode; the GSPO ratio is clamped on both sides; documented
+defaults are the values the formulas use. (Gaps found by scripts/mutation.py in functional.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlx.plugins.algorithms import functional as F
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
+    def rand():
+        return torch.randn(4, 4, generator=g, dtype=torch.float64)
+    return {"a": rand(), "b": rand() * 0.3, "c": rand(), "mask": mask.double()}
+
+
+def losses(name: str, d: dict, rows: slice, **counts) -> torch.Tensor:
+    m = d["mask"][rows]
+    if name == "gspo":
+        return F.gspo_policy_loss(d["a"][rows] * 0.3, d["b"][rows], d["c"][rows], m, **counts)[0]
+    if name == "ppo":
+        return F.ppo_policy_loss(d["a"][rows] * 0.3, d["b"][rows], d["c"][rows], m, **counts)[0]
+    return F.value_loss(d["a"][rows], d["b"][rows], d["c"][rows], m, clip_range=0.1, **counts)[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["ppo", "gspo", "value"])
+def test_micro_batch_losses_with_mini_batch_counts_sum_to_the_whole(name, mode):
+    d = batch()
+    whole = losses(name, d, slice(0, 4), agg_mode=mode)
+    counts = {"num_tokens": float(d["mask"].sum()), "num_seqs": 4, "max_len": 4}
+    parts = [losses(name, d, rows, agg_mode=mode, **counts) for rows in (slice(0, 1), slice(1, 3), slice(3, 4))]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-10, atol=1e-12)
+    # Without the counts each part is normalised by its own size: a different (wrong) total.
+    alone = sum(losses(name, d, rows, agg_mode=mode) for rows in (slice(0, 1), slice(1, 3), slice(3, 4)))
+    assert not torch.allclose(alone, whole)
+
+
+def test_gspo_sequence_ratio_is_clamped_on_both_sides():
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    # log ratio +50 with a negative advantage: the unclipped branch -A * r is taken, with r = e^20
+    loss, _ = F.gspo_policy_loss(old + 50, old, -torch.ones(1, 3, dtype=torch.float64), mask)
+    assert float(loss) == pytest.approx(math.exp(20.0), rel=1e-9)
+    # log ratio -50 with a positive advantage: min(r A, clip(r) A) = r A, with r = e^-20
+    loss, _ = F.gspo_policy_loss(old - 50, old, torch.ones(1, 3, dtype=torch.float64), mask)
+    assert float(loss) == pytest.approx(-math.exp(-20.0), rel=1e-9)
+
+
+def test_documented_defaults_are_the_ones_used():
+    d = batch(1)
+    rewards, values, mask = d["a"], d["b"], d["mask"]
+    torch.testing.assert_close(F.gae_advantages(rewards, values, mask),
+                               F.gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0))
+    assert not torch.allclose(F.gae_advantages(rewards, values, mask)[1],
+                              F.gae_advantages(rewards, values, mask, gamma=0.5, lam=1.0)[1])
+    v, old, ret = d["a"], d["b"], d["c"]
+    torch.testing.assert_close(F.value_loss(v, old, ret, mask)[0], F.value_loss(v, old, ret, mask, clip_range=0.2)[0])
+    assert not torch.allclose(F.value_loss(v, old, ret, mask)[0], F.value_loss(v, old, ret, mask, clip_range=1.2)[0])
+
+
+def test_grpo_near_equal_scores_keep_their_sign_and_stay_bounded():
+    """std + eps, not std - eps: a tiny spread gives small advantages of the right sign."""
+    adv, _ = F.grpo_advantages(torch.tensor([0.0, 1e-6]), torch.tensor([0, 0]), torch.ones(2, 1))
+    assert adv[0, 0] < 0 < adv[1, 0] and float(adv.abs().max()) < 1.0
