@@ -148,7 +148,8 @@ class LauncherConfig(ComponentSection):
 
 class RolloutConfig(ComponentSection):
     name: str = Field("hf", description="Rollout engine plugin.")
-    n: int = Field(1, gt=0, le=MAX_SAMPLES, description="Responses sampled per prompt.")
+    n: int = Field(8, gt=0, le=MAX_SAMPLES, description="Responses sampled per prompt (the group of GRPO-like "
+                   "algorithms; 1 for PPO with a critic is possible).")
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE,
                                description=f"Sampling temperature: 0 (greedy) or {MIN_TEMPERATURE:g} to "
                                f"{MAX_TEMPERATURE:g}.")

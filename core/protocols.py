@@ -231,10 +231,13 @@ class RewardBatch:
 
 @dataclass
 class RewardOutput:
-    """Scores, one per response, and optional per-response extra values logged as metrics."""
+    """Scores, one per response, optional per-response extra values logged as metrics, and optionally the
+    final answer the reward scored in each response (a str, or None where it found none), which majority
+    voting in evaluation uses (see rlx.evaluation)."""
 
     scores: list[float]
     extra: dict[str, list[float]] = field(default_factory=dict)
+    answers: list[str | None] | None = None
 
 
 RewardFn = Callable[[RewardBatch], "list[float] | RewardOutput"]

@@ -27,6 +27,7 @@ from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.errors import UserError, describe_exception
+from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager
 from rlx.validate import Resolved
@@ -42,23 +43,6 @@ class Timer:
         start = time.perf_counter()
         yield
         self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
-
-
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        raise UserError(f"Cannot load a tokenizer from {path!r}: {exc}",
-                        "Give a local model folder or a hub id that is available offline "
-                        "(model.path or model.tokenizer_path).") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    if tok.chat_template is None:
-        raise UserError(f"The tokenizer at {path!r} has no chat template.",
-                        "Use an instruct/chat model, or a tokenizer_path whose tokenizer has one.")
-    return tok
 
 
 def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size: int, shuffle: bool, seed: int,
@@ -80,8 +64,15 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
             metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
 
 
-def _call_factory(factory: Any, options: Any, ctx: BuildContext, rank: int, world_size: int) -> Any:
-    return factory(options, ctx)
+def _call_factory(factory: Any, options: Any, ctx: BuildContext, what: str, rank: int, world_size: int) -> Any:
+    try:
+        return factory(options, ctx)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"Building {what} failed: {describe_exception(exc)}",
+                        "If the message is about your model, data or options, fix them; otherwise report it to "
+                        "the plugin's authors.") from exc
 
 
 class Trainer:
@@ -94,6 +85,13 @@ class Trainer:
         # First, so that under torchrun the ranks other than 0 go straight to serving rank 0 (they never
         # return from here) and only rank 0 touches the run folder.
         self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
+        self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")  # checks its options vs rollout.n
+        # A bad model folder is reported before anything is written or loaded.
+        check_model_folder(resolve_path(cfg.model.path), cfg.model.trust_remote_code,
+                           tokenizer=cfg.model.tokenizer_path is None)
+        if cfg.critic.model_path:
+            check_model_folder(resolve_path(cfg.critic.model_path), cfg.model.trust_remote_code, tokenizer=False,
+                               key="critic.model_path")
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume_from = self._find_resume()
@@ -101,9 +99,10 @@ class Trainer:
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
 
-        self.model_path = resolve_path(cfg.model.path)
-        self.tokenizer = load_tokenizer(resolve_path(cfg.model.tokenizer_path or cfg.model.path),
-                                        cfg.model.trust_remote_code)
+        m = cfg.model
+        self.model_path = resolve_path(m.path)
+        self.tokenizer = load_tokenizer(resolve_path(m.tokenizer_path or m.path), m.trust_remote_code,
+                                        key="model.tokenizer_path" if m.tokenizer_path else "model.path")
         d = cfg.data
         self.train_set = load_prompts(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length,
@@ -158,8 +157,7 @@ class Trainer:
         return last
 
     def _build(self, kind: str, name: str, options_key: str) -> Any:
-        factory = self.pm.get(kind, name).load_factory()
-        return factory(self.resolved.options.get(options_key), self.ctx)
+        return self.pm.build(kind, name, self.resolved.options.get(options_key), self.ctx)
 
     def _role_spec(self, role: str, trainable: bool) -> RoleSpec:
         cfg, o = self.cfg, self.cfg.actor.optim
@@ -192,13 +190,13 @@ class Trainer:
         """A picklable ``build(rank, world_size)`` that calls the component's factory where the worker
         runs (another process, under a multi-process launcher): the factory, its options and a build
         context carrying the config, the run and the tokenizer, but not the plugin manager."""
-        factory = self.pm.get(kind, name).load_factory()
+        comp = self.pm.get(kind, name)
+        what = f"{kind} {name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
         ctx = dataclasses.replace(self.ctx, plugins=None)
-        return partial(_call_factory, factory, self.resolved.options.get(options_key), ctx)
+        return partial(_call_factory, comp.load_factory(), self.resolved.options.get(options_key), ctx, what)
 
     def _build_roles(self) -> None:
         cfg = self.cfg
-        self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")
         backend = self._build("backend", cfg.backend.name, "backend")  # a picklable builder of workers
         self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)))
         self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)))
@@ -222,7 +220,7 @@ class Trainer:
                 self._load(self.resume_from)
             self.launcher.transfer_weights(self.actor, self.rollout)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
-            self.pm.hook.rlx_on_train_start(config=self.config_dict, output_dir=str(self.run_dir))
+            self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
             if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
                 self._log(self.validate(), self.step)
             while self.step < self.total_steps:
@@ -233,14 +231,14 @@ class Trainer:
                         self.step % t.test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())
                 self._log(metrics, self.step)
-                self.pm.hook.rlx_on_step_end(step=self.step, metrics=metrics)
+                self.pm.call_lifecycle("rlx_on_step_end", step=self.step, metrics=metrics)
                 if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
                     self.save()
             if cfg.trainer.save_freq != 0 and self.saved_step != self.step:
                 self.save()
             if cfg.trainer.save_hf_model:
                 self.save_hf(self.run_dir / "hf_model")
-            self.pm.hook.rlx_on_train_end(step=self.step, metrics=metrics)
+            self.pm.call_lifecycle("rlx_on_train_end", step=self.step, metrics=metrics)
         except BaseException:
             self.launcher.abort()  # workers in other processes may be blocked in a collective
             raise
@@ -453,7 +451,7 @@ class Trainer:
             state["algorithm"] = self.algorithm.state_dict()
         path = checkpoint.save(self.ckpt_root, self.step, write, state, keep=self.cfg.trainer.max_checkpoints_to_keep)
         self.saved_step = self.step
-        self.pm.hook.rlx_on_checkpoint(step=self.step, path=str(path))
+        self.pm.call_lifecycle("rlx_on_checkpoint", step=self.step, path=str(path))
         return path
 
     def _load(self, path: Path) -> None:

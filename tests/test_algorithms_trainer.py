@@ -199,7 +199,7 @@ def test_checkpoint_restores_critic_and_adaptive_kl(tmp_path):
     assert coef != pytest.approx(start)  # the controller moved it
     critic = weights(t.critic)
     saved = t.ckpt_root / "global_step_2"
-    assert (saved / "critic" / "model.pt").is_file()
+    assert (saved / "critic" / "model.safetensors").is_file()
     again = trainer(tmp_path, *args)
     assert changed(critic, weights(again.critic))  # a fresh value head
     again._load(saved)

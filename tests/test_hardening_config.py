@@ -309,3 +309,31 @@ def test_cli_gives_torch_half_the_cores_unless_told(tmp_path):
     proc = subprocess.run([sys.executable, "-c", THREADS], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-3:-1] == [cores, cores]
+
+
+@pytest.mark.parametrize("model_path", ["rlx.plugins.algorithms.base:AlgorithmOptions",
+                                        "rlx.plugins.algorithms.base:KLControlOptions",
+                                        "rlx.plugins.rollout.hf:HFRolloutOptions",
+                                        "rlx.plugins.backends.torch_local:TorchBackendOptions"])
+def test_built_in_plugin_options_are_bounded_and_finite(model_path):
+    """The same rule for the numeric options of rlx's own plugins (algorithm.kl_loss_coef=inf must not
+    reach a loss)."""
+    import importlib
+
+    from pydantic import ValidationError
+
+    module, name = model_path.split(":")
+    model = getattr(importlib.import_module(module), name)
+    fields = _numeric_fields(model)
+    assert fields
+    for path, kind in fields:
+        bad = [10**30, -(10**30)] if kind is int else [float("inf"), float("nan"), float("-inf")]
+        for value in bad:
+            raw: dict = {}
+            node = raw
+            *parents, leaf = path.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+            with pytest.raises(ValidationError):
+                model.model_validate(raw)

@@ -38,19 +38,23 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 
 
 class KLControlOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["fixed", "adaptive"] = Field(
         "fixed", description="fixed: beta = kl_coef always; adaptive: beta follows target_kl (Ziegler et al.).")
-    kl_coef: float = Field(0.001, ge=0, description="beta, the weight of the KL penalty in the reward (initial "
+    kl_coef: float = Field(0.001, ge=0, le=100, description="beta, the weight of the KL penalty in the reward (initial "
                            "value when adaptive).")
-    target_kl: float = Field(0.1, gt=0, description="Adaptive: the per-token KL the controller steers towards.")
-    horizon: int = Field(10000, gt=0, description="Adaptive: beta changes by at most 20% per `horizon` sequences.")
+    target_kl: float = Field(0.1, gt=0, le=100, description="Adaptive: the per-token KL the controller steers towards.")
+    horizon: int = Field(10000, gt=0, le=10**12,
+                         description="Adaptive: beta changes by at most 20% per `horizon` sequences.")
 
 
 class AlgorithmOptions(BaseModel):
-    """Options common to every built-in algorithm; each algorithm module changes some defaults."""
+    """Options common to every built-in algorithm; each algorithm module changes some defaults.
 
-    model_config = ConfigDict(extra="forbid")
+    Numbers must be finite; coefficients and clip ranges have upper bounds far beyond any useful value, so
+    that a typo (``kl_loss_coef=1e308``) is an error here and not NaN losses later."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     # -- advantages
     adv_estimator: str = Field(
         "grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
@@ -63,20 +67,20 @@ class AlgorithmOptions(BaseModel):
     # -- policy loss
     policy_loss: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="vanilla: PPO clip on the token ratio; gspo: on the sequence-level ratio.")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range for the probability ratio.")
-    clip_ratio_low: float | None = Field(None, gt=0, description="Lower clip range (default clip_ratio).")
+    clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO clip range for the probability ratio.")
+    clip_ratio_low: float | None = Field(None, gt=0, le=10, description="Lower clip range (default clip_ratio).")
     clip_ratio_high: float | None = Field(
-        None, gt=0, description="Upper clip range (default clip_ratio; DAPO's clip-higher uses 0.28).")
+        None, gt=0, le=10, description="Upper clip range (default clip_ratio; DAPO's clip-higher uses 0.28).")
     clip_ratio_c: float | None = Field(
-        3.0, gt=1, description="Dual-clip: bound the loss of negative-advantage tokens at -A * c (as verl; "
+        3.0, gt=1, le=1000, description="Dual-clip: bound the loss of negative-advantage tokens at -A * c (as verl; "
         "null: off). vanilla only.")
     loss_agg_mode: LossAggMode = Field(
         "token-mean", description="How per-token losses become one number (policy_loss=gspo: "
         "seq-mean-token-mean unless set).")
-    entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    entropy_coeff: float = Field(0.0, ge=0, le=100, description="Weight of the entropy bonus.")
     # -- KL to the reference policy
     use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
-    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
+    kl_loss_coef: float = Field(0.001, ge=0, le=100, description="Weight of the KL loss.")
     kl_loss_type: KLEstimator = Field("low_var_kl", description="KL estimator of the loss (low_var_kl = k3).")
     use_kl_in_reward: bool = Field(False, description="Subtract beta * KL(pi_old || pi_ref) from the token rewards "
                                    "(PPO/RLHF style).")
@@ -86,11 +90,11 @@ class AlgorithmOptions(BaseModel):
     filter_groups: bool = Field(
         False, description="Dynamic sampling: drop prompts whose responses all scored the same, generate more.")
     max_num_gen_batches: int = Field(
-        10, ge=0, description="Dynamic sampling: most generation batches per step (0: no limit).")
+        10, ge=0, le=10**6, description="Dynamic sampling: most generation batches per step (0: no limit).")
     overlong_buffer_len: int | None = Field(
-        0, ge=0, description="Overlong shaping: responses longer than data.max_response_length - this lose "
+        0, ge=0, le=2**20, description="Overlong shaping: responses longer than data.max_response_length - this lose "
         "reward linearly (0: off; null: a quarter of data.max_response_length).")
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="Overlong shaping: the most reward lost.")
+    overlong_penalty_factor: float = Field(1.0, ge=0, le=1000, description="Overlong shaping: the most reward lost.")
 
     @model_validator(mode="after")
     def _gspo_aggregates_per_sequence(self) -> AlgorithmOptions:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
+from rlx.config import resolve_dtype
 from rlx.context import BuildContext
 from rlx.protocols import LossFn, RoleSpec
 
@@ -35,7 +36,7 @@ class TorchBackendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to from_pretrained.")
-    num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice).")
+    num_threads: int | None = Field(None, gt=0, le=4096, description="torch CPU threads (default: torch's choice).")
 
 
 def pick_device(requested: str) -> str:
@@ -44,14 +45,6 @@ def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """``model.dtype=auto``: float32 on the CPU (where bfloat16 is slow and already makes the reference
-    and the policy disagree before any update), bfloat16 on a GPU."""
-    if name != "auto":
-        return name
-    return "float32" if device == "cpu" else "bfloat16"
 
 
 def lr_lambda(spec: RoleSpec):

@@ -73,6 +73,7 @@ LINE_FIELDS: list[tuple[str, str, Callable[[float], str], str]] = [
     ("actor/entropy", "entropy", fmt_number, ""),
     ("actor/grad_norm", "grad", fmt_number, ""),
     ("actor/lr", "lr", _sci, ""),
+    ("batch/equal_score_group_ratio", "same-score groups", lambda x: f"{100 * x:.0f}%", ""),
     ("val/acc", "val acc", fmt_number, ""),
     ("val/reward/mean", "val reward", fmt_number, ""),
     ("timing/step", "", fmt_number, "s/step"),

@@ -28,7 +28,7 @@ _STANDARD_ERRORS = frozenset(typing.get_args(core_schema.ErrorType))
 def with_answers(output: RewardOutput, answers: list[str | None] | None) -> RewardOutput:
     """``output`` carrying the final answer the reward scored in each response (``RewardOutput.answers``;
     None where it found none), which majority voting uses."""
-    output.answers = answers  # type: ignore[attr-defined]
+    output.answers = answers
     return output
 
 

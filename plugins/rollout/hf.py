@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 
 
 class HFRolloutOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype for generation (auto: float32 on CPU, bfloat16 on GPU).")
-    micro_batch_size: int = Field(64, gt=0, description="Sequences per generate call.")
+    micro_batch_size: int = Field(64, gt=0, le=2**20, description="Sequences per generate call.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
 
 
@@ -36,7 +36,8 @@ class HFRollout:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from rlx.plugins.backends.torch_local import pick_device, resolve_dtype
+        from rlx.config import resolve_dtype
+        from rlx.plugins.backends.torch_local import pick_device
 
         self.device = pick_device(device)
         name = resolve_dtype(options.dtype, self.device)
