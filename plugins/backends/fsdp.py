@@ -248,6 +248,9 @@ class FSDPWorker(TorchWorker):
         self.master_dtype = torch.float32 if spec.trainable else self.compute_dtype
         self.autocast = False  # FSDP casts parameters itself; no autocast around the forward passes
         torch.manual_seed(spec.seed)
+        # FSDP1 divides the reduced gradients by the number of ranks, but a loss is already divided by the
+        # global token count: multiplying it back makes the reduction a sum.
+        self.loss_scale = float(self.dp_size) if engine == "fsdp" else 1.0
         if engine == "fsdp2":
             self.model = self._build_fsdp2()
         else:
@@ -325,6 +328,10 @@ class FSDPWorker(TorchWorker):
 
         options = self.options
         assert isinstance(options, FSDP2Options)
+        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            raise UserError(f"--backend fsdp2 needs torch >= 2.8 (installed: {torch.__version__}): older FSDP2 "
+                            "cannot sum gradients over ranks without rescaling them.",
+                            "Upgrade torch, or use --backend fsdp.")
         model = self._empty_model()
         self._remember(model)
         full = self._load_full() if self.dp_rank == 0 else None
@@ -385,8 +392,7 @@ class FSDPWorker(TorchWorker):
         return [float(v) for v in t.tolist()]
 
     def backward(self, loss: torch.Tensor) -> None:
-        # FSDP1 divides the reduced gradient by the world size; the loss is already a global mean
-        (loss * self.dp_size if self.engine == "fsdp" else loss).backward()
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
     def optimizer_step(self) -> tuple[float, bool, float]:
         import torch
