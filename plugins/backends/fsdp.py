@@ -345,10 +345,11 @@ class FSDPWorker(TorchWorker):
             if type(module) in layers:
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
-        model.to_empty(device="cpu" if options.cpu_offload else self.device)
+        # Shards are allocated on the device even with CPU offload: the broadcast from rank 0 runs on the
+        # communication device (NCCL cannot send CPU tensors); offloaded shards move to the CPU afterwards.
+        model.to_empty(device=self.device)
         state = full.state_dict() if full is not None else {}
-        set_model_state_dict(model, state, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, cpu_offload=options.cpu_offload))
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers outside the state dict (rotary inv_freq) are plain, unsharded tensors: rank 0's values.
         loaded = dict(full.named_buffers()) if full is not None else {}
         for name, buf in model.named_buffers():
@@ -356,6 +357,11 @@ class FSDPWorker(TorchWorker):
             dist.broadcast(tmp, src=0)
             buf.copy_(tmp)
         del full, state
+        if options.cpu_offload:
+            model.to("cpu")
+            for module in model.modules():  # buffers are used by the forward pass, on the device
+                for name, buf in module.named_buffers(recurse=False):
+                    module._buffers[name] = buf.to(self.device)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # A plain sum over ranks (losses divide by global counts): gloo has neither AVG nor
