@@ -151,6 +151,9 @@ RolloutOpt = Annotated[str | None, typer.Option("--rollout", help="Rollout engin
 AlgorithmOpt = Annotated[str | None, typer.Option("--algorithm", help="Algorithm (algorithm.name).")]
 RewardOpt = Annotated[str | None, typer.Option("--reward", help="Reward (reward.name).")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="Model path or hub id (model.path).")]
+LauncherOpt = Annotated[str | None, typer.Option("--launcher", help="Launcher (launcher.name): local or ray.")]
+NprocOpt = Annotated[int | None, typer.Option(
+    "--nproc", help="Worker processes (launcher.nproc): one per GPU; on the CPU, torch.distributed over gloo.")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(
     help="Dotted overrides, e.g. actor.optim.lr=1e-6 data.train_batch_size=64", show_default=False)]
 
@@ -159,12 +162,13 @@ DEFAULT_PRESET = "tiny"
 
 def _resolve(config: list[str] | None, preset: str | None, backend: str | None, rollout: str | None,
              algorithm: str | None, reward: str | None, model: str | None, overrides: list[str] | None,
-             check_files: bool = True) -> Any:
+             check_files: bool = True, launcher: str | None = None, nproc: int | None = None) -> Any:
     from rlx.config import override_key
     from rlx.validate import load_config
 
     overrides = list(overrides or [])
-    shortcuts = {"backend": backend, "rollout": rollout, "algorithm": algorithm, "reward": reward, "model": model}
+    shortcuts = {"backend": backend, "rollout": rollout, "algorithm": algorithm, "reward": reward, "model": model,
+                 "launcher": launcher, "nproc": nproc}
     # With no model, config file, data or preset, run the built-in job. Someone who names a component
     # (`rlx train --algorithm ppo`) is adjusting that job on purpose; only a bare command is told, and
     # before anything else, so that the note never follows an error.
@@ -181,20 +185,23 @@ def _resolve(config: list[str] | None, preset: str | None, backend: str | None, 
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
                 rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
-                model: ModelOpt = None, overrides: OverridesArg = None) -> None:
+                model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
+                overrides: OverridesArg = None) -> None:
     """Print the resolved config (defaults, preset, file, flags and overrides merged) as YAML."""
     import yaml
 
-    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, check_files=False)
+    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, check_files=False,
+                        launcher=launcher, nproc=nproc)
     typer.echo(yaml.safe_dump(resolved.as_dict(), sort_keys=False))
 
 
 @config_app.command("validate")
 def config_validate(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
                     rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
-                    model: ModelOpt = None, overrides: OverridesArg = None) -> None:
+                    model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
+                    overrides: OverridesArg = None) -> None:
     """Check a config, that its data files exist and that its run folder can be written, without training."""
-    _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides)
+    _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, launcher=launcher, nproc=nproc)
     typer.echo("Config is valid.")
 
 
@@ -202,7 +209,7 @@ def config_validate(config: ConfigOpt = None, preset: PresetOpt = None, backend:
 @app.command("train")
 def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
           rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
-          model: ModelOpt = None,
+          model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
           resume: Annotated[bool, typer.Option("--resume", metavar="", help="Continue from the last complete "
                                                "checkpoint (fail if there is none).")] = False,
           overrides: OverridesArg = None) -> None:
@@ -216,7 +223,8 @@ def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOp
             raise UserError(f"--resume is a flag and takes no value; got --resume {overrides[0]}.",
                             "Write `rlx train --resume` to continue from the last complete checkpoint.")
         overrides.append("trainer.resume=must")
-    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides)
+    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, launcher=launcher,
+                        nproc=nproc)
     _quiet_libraries()
     from rlx.trainer import Trainer
 

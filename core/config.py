@@ -306,6 +306,8 @@ SHORTCUTS = {
     "algorithm": "algorithm.name",
     "reward": "reward.name",
     "model": "model.path",
+    "launcher": "launcher.name",
+    "nproc": "launcher.nproc",
 }
 
 
@@ -408,7 +410,7 @@ def build_raw(
     *,
     preset: str | None = None,
     config_file: str | Sequence[str] | None = None,
-    shortcuts: dict[str, str | None] | None = None,
+    shortcuts: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Merge every source into one plain dict (not yet validated).

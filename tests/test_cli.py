@@ -140,6 +140,8 @@ CASES = {
     "bad literal": (["trainer.device=tpu"],
                     ["trainer.device: must be one of 'auto', 'cpu' or 'cuda' (got 'tpu')"]),
     "unknown preset": (["--preset", "tinny"], ["--preset tinny: no such preset.", "Did you mean 'tiny'?"]),
+    "no processes": (["--nproc", "0"], ["launcher.nproc: Input should be greater than or equal to 1 (got 0)"]),
+    "unknown launcher": (["--launcher", "slurmx"], ["launcher.name: No launcher named 'slurmx'"]),
 }
 
 

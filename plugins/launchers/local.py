@@ -227,6 +227,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, timeout_s: float,
                  threads: int | None, seed: int, errors: Any) -> None:
     """Entry point of a spawned worker process."""
     _die_with_parent()
+    # Rank 0 prints what the user needs; progress bars from every rank would only repeat it (and tqdm's
+    # lock would outlive this process, which ends with os._exit).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         import torch
 
@@ -235,7 +239,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, timeout_s: float,
         _Host(rank, world_size, timeout_s).serve()
     except BaseException as exc:
         user = isinstance(exc, UserError)
-        errors.put((rank, user, str(exc) if user else describe_exception(exc)))
+        errors.send((rank, user, str(exc) if user else describe_exception(exc)))
         os._exit(2 if user else 1)
     os._exit(0)
 
@@ -306,10 +310,12 @@ class ProcessLauncher:
         self.world_size = world
         if not under_torchrun:
             ctx = mp.get_context("spawn")
-            self.errors = ctx.SimpleQueue()
+            # One pipe per worker for its last words (a pipe, not a queue: no semaphore left behind at exit).
+            self.error_pipes: dict[int, Any] = {}
             for r in range(1, world):
+                self.error_pipes[r], errors = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, name=f"rlx-worker-{r}", daemon=True,
-                                   args=(r, world, init_method, options.timeout_s, device, threads, seed, self.errors))
+                                   args=(r, world, init_method, options.timeout_s, device, threads, seed, errors))
                 proc.start()
                 self.children.append(proc)
             threading.Thread(target=self._watch, name="rlx-worker-watchdog", daemon=True).start()
@@ -349,13 +355,12 @@ class ProcessLauncher:
             dead = [(r, p) for r, p in enumerate(children, start=1) if not p.is_alive()]
         if not dead:
             return None
-        with contextlib.suppress(OSError, ValueError):  # the queue is closed once the workers are stopped
-            while time.monotonic() < deadline:
-                if not self.errors.empty():
-                    rank, user, message = self.errors.get()
-                    return user, f"worker rank {rank} failed: {message}"
-                time.sleep(0.05)
         rank, proc = dead[0]
+        with contextlib.suppress(OSError, EOFError, KeyError):  # a worker killed from outside says nothing
+            pipe = self.error_pipes[rank]
+            if pipe.poll(max(0.0, deadline - time.monotonic())):
+                rank, user, message = pipe.recv()
+                return user, f"worker rank {rank} failed: {message}"
         return False, f"worker rank {rank} failed: exited with status {proc.exitcode}"
 
     def _report(self, user: bool, message: str) -> bool:
@@ -376,7 +381,8 @@ class ProcessLauncher:
         for proc in self.children:
             proc.join(timeout=5)
         if self.children:
-            self.errors.close()
+            for pipe in self.error_pipes.values():
+                pipe.close()
             self.children = []
 
     def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None) -> list[Any]:
