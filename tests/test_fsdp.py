@@ -11,6 +11,7 @@ gradient norms and losses to 1e-5 relative.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -165,6 +166,12 @@ def runs(request: pytest.FixtureRequest, tiny_model_path: str, torch_reference: 
         one.save_checkpoint(str(out / "ckpt1"))
         single["extra_metrics"] = one.update([extra], actor_loss())
         del one
+        ckpt_spec = dataclasses.replace(actor_spec(path), gradient_checkpointing=True)
+        recompute = fsdp_worker(ckpt_spec, engine)
+        single["checkpointed_metrics"] = recompute.update(minibatches(batch), actor_loss())
+        single["checkpointed_weights"] = state(recompute.named_weights())
+        single["checkpointing_on"] = bool(recompute.hf_class.is_gradient_checkpointing.fget(recompute.model))
+        del recompute
 
         env = {"OMP_NUM_THREADS": "1"}
         old = {k: os.environ.get(k) for k in env}
@@ -219,6 +226,10 @@ def test_update_matches_the_torch_backend(runs: dict[str, Any], torch_reference:
     assert all(m["grad_norm"] > 0 for m in want["actor_metrics"])
     assert_metrics(runs["single"]["actor_metrics"], want["actor_metrics"], "actor, 1 rank")
     assert_weights(runs["single"]["actor_weights"], want["actor_weights"], "actor, 1 rank")
+    # gradient checkpointing (recomputed activations) changes nothing
+    assert runs["single"]["checkpointing_on"]
+    assert_metrics(runs["single"]["checkpointed_metrics"], want["actor_metrics"], "actor, 1 rank, checkpointing")
+    assert_weights(runs["single"]["checkpointed_weights"], want["actor_weights"], "actor, 1 rank, checkpointing")
     for r, res in enumerate(runs["ranks"]):
         assert res["dp"] == (r, WORLD)
         assert_metrics(res["actor_metrics"], want["actor_metrics"], f"actor, rank {r} of 2")

@@ -15,7 +15,8 @@ process) the worker initialises a one-rank group itself (gloo on the CPU, NCCL o
 in-memory store), so a one-process run goes through exactly the same sharded code.
 
 Exact gradients over ranks. A loss is already divided by the *global* token count, so the mini-batch
-gradient is the *sum* of the ranks' gradients: ``fsdp2`` sets FSDP's gradient divide factor to 1;
+gradient is the *sum* of the ranks' gradients: ``fsdp2`` sets FSDP's gradient divide factor to 1 with
+sum-only reductions;
 FSDP1 always averages, so ``fsdp`` multiplies the loss by the data-parallel size before ``backward``.
 
 Model loading (say which and why). ``fsdp2``: meta-device init and a rank-0 load. Every rank builds the
@@ -35,10 +36,10 @@ together into ``PATH/dcp`` (each rank its shards) and are resharded on load: a c
 ranks loads into M ranks, for any N and M. The scheduler state and the RNG states are per rank
 (``PATH/rank{r}.pt``, plain tensor files read with ``weights_only``); they are not resharded. On a load
 with more ranks than wrote the checkpoint, a new rank r takes rank 0's scheduler state (the schedule is the
-same on every rank) and seeds its RNG with ``seed + r``. Loading never unpickles anything: DCP's reader
+same on every rank) and seeds its RNG with ``seed + r``. Loading never runs code from a file: DCP's reader
 would ``pickle.load`` the ``.metadata`` file and its planner ``torch.load(weights_only=False)`` every
-non-tensor entry; here the metadata is read by an unpickler that accepts only DCP's metadata classes and
-the few torch and builtin types they hold, and non-tensor entries load with ``weights_only=True``.
+non-tensor entry; here the metadata is read by an unpickler that builds only DCP's metadata classes and the
+few torch and path types they hold, and non-tensor entries load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.backends.torch_local import (
-    TorchBackendOptions,
     TorchWorker,
     load_value_model,
     lr_lambda,
@@ -292,8 +292,9 @@ class FSDPWorker(TorchWorker):
             return cls.from_config(config, dtype=self.master_dtype, trust_remote_code=spec.trust_remote_code,
                                    attn_implementation=self.options.attn_implementation)
 
-    def _remember(self, model: Any) -> None:
-        """What ``save_pretrained`` needs of the unwrapped model: its class, config, generation config."""
+    def _prepare(self, model: Any) -> None:
+        """Before wrapping: keep what ``save_pretrained`` needs of the plain model (class, config, generation
+        config) and switch on gradient checkpointing."""
         from transformers import GenerationConfig
 
         self.hf_class, self.hf_config = type(model), model.config
@@ -333,7 +334,7 @@ class FSDPWorker(TorchWorker):
                             "cannot sum gradients over ranks without rescaling them.",
                             "Upgrade torch, or use --backend fsdp.")
         model = self._empty_model()
-        self._remember(model)
+        self._prepare(model)
         full = self._load_full() if self.dp_rank == 0 else None
         mp = MixedPrecisionPolicy()
         if self.spec.trainable and self.compute_dtype != torch.float32:
@@ -377,7 +378,7 @@ class FSDPWorker(TorchWorker):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = self._load_full()
-        self._remember(model)
+        self._prepare(model)
         mp = None
         if self.spec.trainable and self.compute_dtype != torch.float32:
             mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
@@ -598,5 +599,3 @@ def rlx_train_backends() -> list[Component]:
                           "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
     ]
 
-
-__all__ = ["FSDP2Options", "FSDPBackend", "FSDPOptions", "FSDPWorker", "TorchBackendOptions", "read_dcp_metadata"]
