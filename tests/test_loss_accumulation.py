@@ -44,17 +44,6 @@ def test_micro_batch_losses_with_mini_batch_counts_sum_to_the_whole(name, mode):
     assert not torch.allclose(alone, whole)
 
 
-def test_gspo_sequence_ratio_is_clamped_on_both_sides():
-    mask = torch.ones(1, 3, dtype=torch.float64)
-    old = torch.zeros(1, 3, dtype=torch.float64)
-    # log ratio +50 with a negative advantage: the unclipped branch -A * r is taken, with r = e^20
-    loss, _ = F.gspo_policy_loss(old + 50, old, -torch.ones(1, 3, dtype=torch.float64), mask)
-    assert float(loss) == pytest.approx(math.exp(20.0), rel=1e-9)
-    # log ratio -50 with a positive advantage: min(r A, clip(r) A) = r A, with r = e^-20
-    loss, _ = F.gspo_policy_loss(old - 50, old, torch.ones(1, 3, dtype=torch.float64), mask)
-    assert float(loss) == pytest.approx(-math.exp(-20.0), rel=1e-9)
-
-
 def test_documented_defaults_are_the_ones_used():
     d = batch(1)
     rewards, values, mask = d["a"], d["b"], d["mask"]
@@ -71,3 +60,53 @@ def test_grpo_near_equal_scores_keep_their_sign_and_stay_bounded():
     """std + eps, not std - eps: a tiny spread gives small advantages of the right sign."""
     adv, _ = F.grpo_advantages(torch.tensor([0.0, 1e-6]), torch.tensor([0, 0]), torch.ones(2, 1))
     assert adv[0, 0] < 0 < adv[1, 0] and float(adv.abs().max()) < 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_single_token_or_sequence_is_its_own_mean(mode):
+    """The count floors (clamp(min=1)) only guard empty batches: one valid token is divided by one."""
+    loss = torch.tensor([[2.5, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
+    want = {"seq-mean-token-sum-norm": 2.5 / 3}.get(mode, 2.5)
+    assert float(F.agg_loss(loss, mask, mode)) == pytest.approx(want)
+    assert float(F.agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=1)) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="max_len must be positive"):
+        F.agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=0)
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_policy_ratio_clamp_on_both_sides(name):
+    fn = F.ppo_policy_loss if name == "ppo" else F.gspo_policy_loss
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    high, _ = fn(old + 50, old, -torch.ones(1, 2, dtype=torch.float64), mask, clip_ratio_c=None)
+    low, _ = fn(old - 50, old, torch.ones(1, 2, dtype=torch.float64), mask, clip_ratio_c=None)
+    assert float(high) == pytest.approx(math.exp(20.0), rel=1e-9)
+    assert float(low) == pytest.approx(-math.exp(-20.0), rel=1e-9)
+
+
+def test_argument_checks_at_their_boundaries():
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        F.ppo_policy_loss(*args, clip_ratio_c=1.0)
+    F.ppo_policy_loss(*args, clip_ratio_c=1.01)
+    for bad in ({"target_kl": 0.0, "horizon": 1.0}, {"target_kl": 0.1, "horizon": 0.0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            F.AdaptiveKLController(0.1, **bad)
+    F.AdaptiveKLController(0.1, target_kl=0.1, horizon=1.0)
+    lengths = torch.tensor([0, 2, 4, 5])
+    torch.testing.assert_close(F.overlong_penalty(lengths, max_len=4, buffer_len=4),
+                               torch.tensor([0.0, -0.5, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="buffer_len must be in"):
+        F.overlong_penalty(lengths, max_len=4, buffer_len=5)
+    assert F.overlong_penalty(lengths, max_len=4, buffer_len=0).dtype == torch.float32
+
+
+def test_kl_in_reward_mean_skips_empty_responses():
+    scores = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    logp = torch.tensor([[-1.0, -1.0], [-3.0, -3.0]])
+    ref = torch.tensor([[-1.5, -1.5], [-1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    rewards, mean_kl = F.apply_kl_in_reward(scores, logp, ref, mask, kl_coef=0.1, estimator="k1")
+    assert mean_kl == pytest.approx(0.5)  # the empty second response does not count
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.95], [0.0, 0.0]]))
