@@ -75,6 +75,21 @@ STATUSES = ("killed", "survived", "timeout", "suspicious", "no tests", "skipped"
             "segfault", "not checked")
 
 
+# mutmut runs pytest several times in one process (statistics, the clean run, then forks of that
+# process per mutant), so module-level state of a test module (a threading.Event set at the end of its
+# tests, say) would leak from one session into the next. This plugin makes each session import the
+# test modules afresh, as a separate pytest process would.
+FRESH_PLUGIN = "rlx_mutation_fresh_tests"
+FRESH_PLUGIN_SOURCE = '''"""Written by scripts/mutation.py: every pytest session imports the test modules afresh."""
+import sys
+
+
+def pytest_sessionstart(session):
+    for name in [n for n in sys.modules if n.rpartition(".")[2].startswith("test_") or n == "conftest"]:
+        del sys.modules[name]
+'''
+
+
 def import_path(repo_path: str) -> str:
     """``plugins/loggers/jsonl.py`` -> ``rlx/plugins/loggers/jsonl.py``."""
     for target, source in sorted(LAYOUT.items(), key=lambda kv: -len(kv[1])):
@@ -106,14 +121,15 @@ def prepare(src: Path, work: Path, module: Module) -> None:
     shutil.copytree(src / "plugins", work / "rlx" / "plugins", ignore=ignore)
     shutil.copytree(src / "cli", work / "rlx" / "cli", ignore=ignore)
     shutil.copytree(src / "tests", work / "tests", ignore=ignore)
+    (work / f"{FRESH_PLUGIN}.py").write_text(FRESH_PLUGIN_SOURCE)
     selection = "\n    ".join(module.tests)
     (work / "setup.cfg").write_text(
         "[mutmut]\n"
         "source_paths = rlx\n"
         f"only_mutate = {import_path(module.path)}\n"
-        "also_copy =\n    tests\n"
+        f"also_copy =\n    tests\n    {FRESH_PLUGIN}.py\n"
         f"pytest_add_cli_args_test_selection =\n    {selection}\n"
-        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
+        f"pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -p\n    {FRESH_PLUGIN}\n    -q\n"
         # The tiny-model tests take seconds; a mutant that makes them loop is cut at 10x their time.
         "timeout_multiplier = 5.0\n"
         "timeout_constant = 5.0\n")
