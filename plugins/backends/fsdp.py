@@ -76,6 +76,8 @@ class FSDPCommonOptions(BaseModel):
         "sdpa", description="Attention kernel passed to from_pretrained.")
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer states in CPU "
                                                  "memory between uses (GPU only; slower, far less GPU memory).")
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads per process (default: torch's "
+                                                           "choice).")
 
 
 class FSDP2Options(FSDPCommonOptions):
@@ -234,8 +236,10 @@ class FSDPWorker(TorchWorker):
         from torch.distributed.device_mesh import init_device_mesh
 
         if options.cpu_offload and pick_device(device) == "cpu":
-            raise UserError(f"{engine}.cpu_offload=true needs a GPU (trainer.device=cpu keeps everything on "
-                            "the CPU already).", f"Set {engine}.cpu_offload=false or trainer.device=cuda.")
+            raise UserError(f"backend.cpu_offload=true ({engine}) needs a GPU (trainer.device=cpu keeps "
+                            "everything on the CPU already).", "Set backend.cpu_offload=false or trainer.device=cuda.")
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
         ensure_process_group(pick_device(device))
         self.spec, self.options, self.engine = spec, options, engine
         self.device = rank_device(device)
