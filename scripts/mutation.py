@@ -17,8 +17,11 @@ entry points (resolved by import name) load the mutated plugins.
 
 Each module is run against a targeted, fast selection of tests (``MODULES``): mutmut first records
 which tests reach which function, then runs only those against each mutant. Results per module are
-printed as a table (killed / survived / timeout / no tests) and written to
-``<workdir>/report.json``; ``--survivors`` prints the diff of every surviving mutant.
+printed as a table (killed / timeout / survived / no tests / not run) and written to
+``<workdir>/report.json``, every mutant not killed with the lines it changed to ``<workdir>/survivors.md``;
+``--survivors`` also prints their full diffs. ``--budget SECONDS`` bounds each module's run (mutmut tests
+the mutants with the fastest tests first; the rest are reported as not run), ``--only PATTERN`` restricts a
+module to some functions, ``--rev REV`` tests a commit instead of the working tree.
 """
 
 from __future__ import annotations
@@ -238,12 +241,29 @@ def run_module(name: str, module: Module, src: Path, root: Path, jobs: int, show
     if proc.returncode != 0 and not results:
         print(f"{name}: mutmut failed (exit {proc.returncode}); last lines of {log}:")
         print("\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-    if show:
-        for mutant in report["survivors"]:  # type: ignore[union-attr]
-            diff = subprocess.run([MUTMUT, "show", mutant], cwd=work, env=env,
-                                  capture_output=True, text=True)
-            print(f"--- {mutant} ({results[mutant]})\n{diff.stdout}")
+    changes: dict[str, list[str]] = {}
+    for mutant in report["survivors"]:  # type: ignore[union-attr]
+        diff = subprocess.run([MUTMUT, "show", mutant], cwd=work, env=env, capture_output=True, text=True).stdout
+        changes[mutant] = [line for line in diff.splitlines()
+                           if line[:2] in ("- ", "+ ") and not line.startswith(("--- ", "+++ "))]
+        if show:
+            print(f"--- {mutant} ({results[mutant]})\n{diff}")
+    report["survivor_changes"] = changes
     return report
+
+
+def write_markdown(reports: dict[str, dict[str, object]], path: Path, rev: str) -> None:
+    """Every surviving mutant with the lines it changed, one section per module."""
+    out = [f"# Surviving mutants ({rev})", ""]
+    for name, r in reports.items():
+        changes: dict[str, list[str]] = r["survivor_changes"]  # type: ignore[assignment]
+        out += [f"## {name} ({r['module']}): {len(changes)} not killed", ""]
+        for mutant, lines in changes.items():
+            short = mutant.rsplit(".", 1)[-1]
+            body = " / ".join(line.strip() for line in lines) or "(no textual change shown)"
+            out.append(f"- `{short}`: `{body.replace('`', chr(39))}`")
+        out.append("")
+    path.write_text("\n".join(out))
 
 
 def main() -> None:
@@ -285,6 +305,10 @@ def main() -> None:
         for s in r["survivors"]:  # type: ignore[union-attr]
             print(f"   survived: {s}")
     (args.workdir / "report.json").write_text(json.dumps(reports, indent=2))
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.rev or "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    write_markdown(reports, args.workdir / "survivors.md",
+                   f"commit {head}" if args.rev else f"working tree on commit {head}")
     print(f"\n{'module':14} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} {'no tests':>8} "
           f"{'not run':>7} {'kill rate':>9} {'seconds':>8}")
     for n, r in reports.items():
