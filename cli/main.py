@@ -15,6 +15,7 @@ import typer
 from rlx import __version__
 from rlx.cli import data as data_cli
 from rlx.cli import eval as eval_cli
+from rlx.cli import export as export_cli
 from rlx.cli import scaffold
 from rlx.errors import UserError
 
@@ -26,6 +27,7 @@ app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 app.add_typer(data_cli.app, name="data")
 app.command("eval")(eval_cli.eval_command)
+app.command("export")(export_cli.export_command)
 plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
