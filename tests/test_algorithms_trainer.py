@@ -62,7 +62,7 @@ def built_roles(monkeypatch) -> list[str]:
 @pytest.mark.parametrize(("args", "roles"), [
     (["--algorithm=grpo"], ["actor", "ref"]),
     (["algorithm.use_kl_loss=false"], ["actor"]),
-    (["algorithm.name=dapo"], ["actor"]),
+    (["algorithm.name=dapo", "algorithm.use_kl_loss=false"], ["actor"]),  # the tiny preset turns the KL loss on
     (["algorithm.name=ppo"], ["actor", "critic+value_head"]),
     (["algorithm.name=ppo", "algorithm.use_kl_in_reward=true"], ["actor", "ref", "critic+value_head"]),
 ])
