@@ -157,6 +157,11 @@ GROUPS = textwrap.dedent('''
             dist.all_reduce(t)
             return t.item()
 
+        def nap(self, seconds):
+            if self.rank == 1:  # no collective: only the driver can notice
+                time.sleep(seconds)
+            return self.rank
+
     def build(rank, world):
         return Worker(rank, world)
 
@@ -164,7 +169,8 @@ GROUPS = textwrap.dedent('''
         return Worker(rank, world, True)
 
     if __name__ == "__main__":
-        launcher = RayLauncher(RayOptions(nproc=2, timeout_s=600), "cpu", 0)
+        kind = sys.argv[1]
+        launcher = RayLauncher(RayOptions(nproc=2, timeout_s=5 if kind == "hang" else 600), "cpu", 0)
         dp = launcher.create_group("dp", build)
         rep = launcher.create_group("rep", build_replicated)
         batch = Batch({"x": torch.arange(6)})
@@ -176,7 +182,10 @@ GROUPS = textwrap.dedent('''
         sys.stdout.flush()
         start = time.monotonic()
         try:
-            dp.call_all("total", 10, 1, sys.argv[1] == "user")
+            if kind == "hang":
+                dp.call_all("nap", 120)
+            else:
+                dp.call_all("total", 10, 1, kind == "user")
         except UserError as exc:
             print("user error:", exc)
         except SystemExit as exc:
@@ -186,11 +195,12 @@ GROUPS = textwrap.dedent('''
 
 
 @needs_ray
-@pytest.mark.parametrize("kind", ["crash", "user"])
-def test_results_in_rank_order_and_a_raising_worker_ends_the_call(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["crash", "user", "hang"])
+def test_results_in_rank_order_and_a_raising_or_hung_worker_ends_the_call(tmp_path: Path, kind: str) -> None:
     """Shards go out and come back in data-parallel order (replicated ranks: only the collected one);
     collectives run across the actors; a rank that raises while the other waits for it in a collective
-    ends the call at once (launcher.timeout_s is 600 s) naming it, and Ray is stopped."""
+    ends the call at once (launcher.timeout_s is 600 s) naming it; a rank that does not answer
+    launcher.timeout_s (5 s) after the other is named as hung; either way Ray is stopped."""
     script = tmp_path / "groups.py"
     script.write_text(GROUPS)
     run = subprocess.run([sys.executable, str(script), kind], cwd=tmp_path, capture_output=True, text=True,
@@ -202,6 +212,10 @@ def test_results_in_rank_order_and_a_raising_worker_ends_the_call(tmp_path: Path
     assert "all [21.0, 21.0]" in out, out
     if kind == "user":
         assert "user error: worker rank 1 failed: planted failure on rank 1" in out, out
+    elif kind == "hang":
+        assert "exit 1" in out, out
+        assert ("Error: worker rank 1 did not answer within launcher.timeout_s=5 s of the others during "
+                "call_all dp.nap") in run.stderr, run.stderr
     else:
         assert "exit 1" in out, out
         assert "Error: worker rank 1 failed: ValueError: planted failure on rank 1" in run.stderr, run.stderr
@@ -224,12 +238,19 @@ def test_ray_trains_the_builtin_job_like_two_local_processes(tmp_path: Path) -> 
                   f"trainer.output_dir={out}", cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         assert "Traceback" not in run.stderr
-        runs[name] = {r["step"]: r for r in read_metrics(out) if "step" in r}
-    assert sorted(runs["ray"]) == sorted(runs["local"]) == list(range(1, steps + 1))
+        runs[name] = {r["step"]: r for r in read_metrics(out)}
+    # Step 0: the validation before training (greedy rollouts through the workers).
+    assert sorted(runs["ray"]) == sorted(runs["local"]) == list(range(steps + 1))
     assert (tmp_path / "ray" / "checkpoints").is_dir()
+    compared = 0
     for step, row in runs["local"].items():
-        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
-            assert runs["ray"][step][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (step, key)
+        assert set(runs["ray"][step]) == set(row)
+        for key, value in row.items():
+            if key == "time" or key.startswith(("timing/", "perf/")):
+                continue
+            assert runs["ray"][step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+            compared += key in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "val/acc")
+    assert compared == 3 * steps + 1
 
 
 @needs_ray
