@@ -4,9 +4,14 @@ They are written once to a cache folder as ordinary files (a Hugging Face model 
 files in the usual row shape) and then loaded through the same code paths as a user's model and
 data. Refer to them in a config as ``builtin:NAME``:
 
-- ``builtin:tiny-qwen2``  a 2-layer Qwen2 with random weights and a 64-token byte-level BPE tokenizer;
+- ``builtin:tiny-qwen2``  a 2-layer Qwen2 (77.6k parameters) and a 64-token byte-level BPE tokenizer,
+  given a short supervised *format* warm start when it is written (:func:`format_warm_start`): it
+  replies to "What is a+b?" with a lone digit, each digit equally likely, so its accuracy is chance;
 - ``builtin:arith-train`` / ``builtin:arith-test``  single-digit addition prompts whose answers are
-  single digits ("What is 3+4?" -> "7"), scored by the ``arith`` reward.
+  single digits ("What is 3+4?" -> "7"), every answer equally common, scored by the ``arith`` reward.
+
+The warm start runs once, when the model is first written (about 5 s on one core), and is cached
+with the rest; delete the cache folder (:func:`cache_dir`) to write everything again.
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ CHAT_TEMPLATE = (
 ALPHABET = list("0123456789+-=?.,:# abcdefghijklmnopqrstuvwxyzWAS\n")
 VOCAB_SIZE = 64
 RESOURCES = ("tiny-qwen2", "arith-train", "arith-test")
+VERSION = 2
+# Initial weights' std: HF's default of 0.02 suits wide models; at width 64 it leaves the attention
+# nearly uniform and its gradients tiny, and learning to read the question's digits stalls for hundreds
+# of steps.
+INIT_STD = 0.1
+# The format warm start (see format_warm_start): a few seconds on one CPU core.
+WARM_START_STEPS = 100
+WARM_START_BATCH = 32
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RLX_CACHE", Path.home() / ".cache" / "rlx")) / "builtin"
+    # Versioned: a cache written by an earlier rlx holds another model and data (v1: random weights,
+    # unbalanced sums), which the tiny preset's settings do not fit.
+    return Path(os.environ.get("RLX_CACHE", Path.home() / ".cache" / "rlx")) / "builtin" / f"v{VERSION}"
 
 
 def is_builtin(ref: str) -> bool:
@@ -102,23 +117,70 @@ def _write_tiny_model(path: Path, _name: str) -> None:
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id, initializer_range=INIT_STD,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
+    format_warm_start(model, tok)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
 
 
+def _question_ids(tok, question: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+
+
+def format_warm_start(model, tok, steps: int = WARM_START_STEPS, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Teach the reply's format, not the answer: a short supervised run on the task's questions
+    ("What is a+b?") whose target for the reply's first token is *every* digit equally (a uniform soft
+    label), and for the token after that digit the end of the turn.
+
+    Afterwards the model replies with a lone digit, each about equally likely, whatever the question:
+    its accuracy is chance (0.1 on the balanced task), and everything above that has to come from
+    reinforcement learning. Without this start a random model almost never replies with a lone digit
+    (about 1 sample in 70), so an exact-match reward is almost always 0 and there is nothing to learn
+    from. Returns the loss curve.
+    """
+    import torch
+
+    digit_ids = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
+    questions = torch.tensor([_question_ids(tok, f"What is {a}+{b}?") for a in range(10) for b in range(10 - a)])
+    gen = torch.Generator().manual_seed(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        rows = torch.randint(len(questions), (WARM_START_BATCH,), generator=gen)
+        replies = digit_ids[torch.randint(10, (WARM_START_BATCH,), generator=gen)]
+        ids = torch.cat([questions[rows], replies[:, None]], dim=1)  # (b, L + 1); all questions have one length
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, -2:].float(), dim=-1)  # (b, 2, V)
+        any_digit = -logp[:, 0, digit_ids].mean()  # cross-entropy with the uniform distribution over digits
+        stop = -logp[:, 1, tok.eos_token_id].mean()
+        loss = any_digit + stop
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
 def arith_rows(split: str, count: int, seed: int) -> list[dict]:
-    """Prompts "What is a+b?" with a + b <= 9, in the verl row shape."""
+    """Prompts "What is a+b?" with a + b <= 9, in the verl row shape.
+
+    The sum is drawn uniformly from 0-9 and then the pair that makes it, so every answer is equally
+    common: a policy that ignores the question scores 0.1 whatever digit it favours, and nothing pulls
+    it towards always giving the most common answer.
+    """
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
     rows = []
     for i in range(count):
-        a, b = rng.choice(pairs)
+        total = rng.randrange(10) if split == "train" else i % 10
+        a = rng.randrange(total + 1)
+        b = total - a
         rows.append({
             "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
             "data_source": "rlx/arith",
@@ -134,5 +196,5 @@ def _write_arith(path: Path, name: str) -> None:
     import pyarrow.parquet as pq
 
     split = name.split("-")[1]
-    rows = arith_rows(split, 2048 if split == "train" else 64, seed=0 if split == "train" else 1)
+    rows = arith_rows(split, 2048 if split == "train" else 100, seed=0 if split == "train" else 1)
     pq.write_table(pa.Table.from_pylist(rows), path)

@@ -1,10 +1,20 @@
-"""Each algorithm learns the built-in task on the CPU: `rlx train --preset tiny --algorithm NAME`.
+"""Each algorithm learns the built-in task for real: `rlx train --preset tiny --algorithm NAME`, seed 1.
 
-Thresholds come from measurements (80 steps, seeds 1-3, one torch thread; docs/algorithms.md has the
-table): the mean reward of the first 5 steps was 0.111-0.135 for every algorithm, and of the last 10
-steps 0.737-0.804 (grpo 0.765-0.783, rloo 0.737-0.792, reinforce_plus_plus 0.774-0.794, ppo
-0.760-0.804). The tests ask for a last-10 mean of at least 0.6 and a rise of at least 0.4: below every
-measured run, and far above what an untrained or broken policy reaches (about 0.12).
+What is checked is the greedy exact-match accuracy on builtin:arith-test (`val/rlx/arith/acc`), which
+starts at chance (the warm-started model replies with any digit equally; 0.02 measured), and the rise of
+the training reward (exact match too) from the mean of the first 5 steps to that of the last 10.
+
+To keep the test to a few minutes the runs are cut to 80 of the preset's 120 steps (the learning rate
+is constant, so the first 80 steps are those of a full run), except ReMax, which learns more slowly
+(its baseline, the greedy reply's reward, gives no signal on prompts whose samples agree with it) and
+keeps its 120. The thresholds come from the 5-seed measurements in docs/benchmarks.md
+(`benchmarks/builtin_learning.py`), taken on this 2-core machine and on a second machine with another
+CPU and torch version, where the same seeds follow other floating-point trajectories. At step 80 the
+lowest accuracy measured was 0.61 (grpo), 0.69 (rloo), 0.91 (reinforce_plus_plus), 0.86 (dapo) and
+0.88 (ppo), the lowest reward rise 0.37; ReMax at step 120: 0.46 (seed 1 on this machine; 0.56 the
+lowest of the other machine's five) and 0.28. The thresholds sit well
+below all of these and far above chance, so another CPU's rounding does not decide the outcome, while a
+policy that does not learn (accuracy about 0.1) fails. The runs go two at a time, one torch thread each.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,32 +31,63 @@ from rlx.plugins.loggers.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 
+ACC = "val/rlx/arith/acc"
+# Steps, least final accuracy, least reward rise (mean of the last 10 steps minus the first 5).
+THRESHOLDS = {
+    "grpo": (80, 0.4, 0.2),
+    "rloo": (80, 0.4, 0.2),
+    "reinforce_plus_plus": (80, 0.4, 0.2),
+    "dapo": (80, 0.4, 0.2),
+    "ppo": (80, 0.4, 0.2),
+    "remax": (120, 0.25, 0.12),
+}
 # Metrics each algorithm must report besides the common ones.
 EXTRA_METRICS = {
     "grpo": ["actor/kl_loss"],
-    "rloo": ["actor/reward_kl_penalty", "actor/reward_kl_coef"],
-    "reinforce_plus_plus": ["actor/reward_kl_penalty", "actor/reward_kl_coef"],
-    "ppo": ["critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/values/mean",
-            "critic/grad_norm"],
+    "rloo": ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_coef"],
+    "reinforce_plus_plus": ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_coef"],
+    "remax": ["actor/kl_loss", "actor/reward_kl_penalty"],
+    "dapo": ["actor/kl_loss", "rollout/all_reward/mean"],
+    "ppo": ["actor/kl_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var",
+            "critic/values/mean", "critic/grad_norm"],
 }
 
 
-@pytest.mark.parametrize("algorithm", list(EXTRA_METRICS))
-def test_algorithm_learns_the_builtin_task(tmp_path: Path, algorithm: str) -> None:
-    run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
+def train(folder: Path, algorithm: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--algorithm", algorithm, "trainer.seed=1",
-         "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_freq=0", "trainer.save_hf_model=false",
-         f"trainer.output_dir={run}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 81))
-    rewards = [r["reward/mean"] for r in rows]
+         f"trainer.total_steps={THRESHOLDS[algorithm][0]}", "trainer.loggers=[jsonl]", "trainer.save_freq=0",
+         "trainer.save_hf_model=false", "trainer.log_samples=0", f"trainer.output_dir={folder / algorithm}"],
+        cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Train every algorithm this session selected (`-k` may select a few), two runs at a time."""
+    selected = [item.callspec.params["algorithm"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    folder = tmp_path_factory.mktemp("learn")
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(selected, pool.map(lambda a: train(folder, a), selected)))
+    return {a: (proc, folder / a) for a, proc in done.items()}
+
+
+@pytest.mark.parametrize("algorithm", list(THRESHOLDS))
+def test_algorithm_learns_the_builtin_task(runs, algorithm: str) -> None:
+    proc, folder = runs[algorithm]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(folder)
+    train_rows = [r for r in rows if "reward/mean" in r]
+    val = {r["step"]: r[ACC] for r in rows if ACC in r}
+    rewards = [r["reward/mean"] for r in train_rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    print(f"{algorithm}: reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert last >= 0.6 and last >= first + 0.4, (first, last)
+    steps, min_acc, min_rise = THRESHOLDS[algorithm]
+    print(f"{algorithm}: accuracy {val}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert sorted(val) == list(range(0, steps + 1, 20)), sorted(val)  # before training, then every 20 steps
+    assert val[0] <= 0.2, f"the warm-started model should be at chance, got accuracy {val[0]}"
+    assert val[steps] >= min_acc, f"final exact-match accuracy {val[steps]:.2f} < {min_acc} ({val})"
+    assert last - first >= min_rise, (first, last)
     for key in ["actor/pg_loss", "actor/pg_clipfrac_low", "actor/pg_clipfrac_high", "actor/ppo_kl", "actor/entropy",
-                "critic/advantages/mean", "critic/returns/mean", *EXTRA_METRICS[algorithm]]:
-        assert key in rows[-1], key
+                "critic/advantages/mean", "critic/returns/mean", "reward/arith/correct", *EXTRA_METRICS[algorithm]]:
+        assert key in train_rows[-1], key

@@ -1,9 +1,10 @@
 """The ``arith`` reward of the built-in task: is the response's first number the right sum?
 
 The response must start with a number. A right answer scores 1; a wrong number scores
-``max(0, 1 - distance_penalty * |answer - truth|)`` (partial credit, so a model that starts from random
-weights gets a graded signal on every prompt); no number scores 0. ``arith/correct`` (exact match)
-is logged beside the score.
+``max(0, 1 - distance_penalty * |answer - truth|)`` (partial credit, a graded signal for a model that
+rarely answers right) or, with ``distance_penalty=0``, 0; no number scores 0. ``arith/correct`` (exact
+match) is logged beside the score. The built-in job (the ``tiny`` preset) sets ``distance_penalty: 0``:
+partial credit there taught the policy to answer a number *near* the sum (reward 0.8, accuracy 0.1).
 
 >>> from rlx.protocols import RewardBatch
 >>> fn = build(ArithOptions(), None)
