@@ -34,8 +34,9 @@ def run(algorithm: str, seed: int, out: Path, extra: list[str]) -> float:
         return float(json.loads(done.read_text())["seconds"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--algorithm", algorithm,
-           f"trainer.seed={seed}", f"trainer.output_dir={folder}", "trainer.loggers=[jsonl]",
-           "trainer.save_freq=0", "trainer.save_hf_model=false", "trainer.log_samples=0", *extra]
+           f"trainer.seed={seed}", f"trainer.output_dir={folder}", "trainer.val_before_train=true",
+           "trainer.loggers=[jsonl]", "trainer.save_freq=0", "trainer.save_hf_model=false", "trainer.log_samples=0",
+           *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start

@@ -10,4 +10,6 @@ if __name__ == "__main__":
     pm = get_plugin_manager()
     resolved = load_config(pm, preset="tiny", overrides=sys.argv[1:])
     metrics = Trainer(resolved, pm).fit()
-    print(f"final mean reward {metrics['reward/mean']:.3f}")
+    accuracy = metrics.get("val/acc")  # present when the last step ran a validation (every 20 steps)
+    print(f"final mean reward {metrics['reward/mean']:.3f}"
+          + (f", exact-match accuracy {accuracy:.2f}" if accuracy is not None else ""))

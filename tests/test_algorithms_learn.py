@@ -56,6 +56,7 @@ EXTRA_METRICS = {
 def train(folder: Path, algorithm: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--algorithm", algorithm, "trainer.seed=1",
+         "trainer.val_before_train=true",
          f"trainer.total_steps={THRESHOLDS[algorithm][0]}", "trainer.loggers=[jsonl]", "trainer.save_freq=0",
          "trainer.save_hf_model=false", "trainer.log_samples=0", f"trainer.output_dir={folder / algorithm}"],
         cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
