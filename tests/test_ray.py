@@ -239,8 +239,9 @@ def test_ray_trains_the_builtin_job_like_two_local_processes(tmp_path: Path) -> 
         assert run.returncode == 0, run.stderr[-3000:]
         assert "Traceback" not in run.stderr
         runs[name] = {r["step"]: r for r in read_metrics(out)}
-    # Step 0: the validation before training (greedy rollouts through the workers).
-    assert sorted(runs["ray"]) == sorted(runs["local"]) == list(range(steps + 1))
+    # Step 0, if the preset validates before training: greedy rollouts through the workers.
+    assert sorted(runs["ray"]) == sorted(runs["local"])
+    assert set(range(1, steps + 1)) <= set(runs["ray"]) <= set(range(steps + 1))
     assert (tmp_path / "ray" / "checkpoints").is_dir()
     compared = 0
     for step, row in runs["local"].items():
@@ -249,8 +250,8 @@ def test_ray_trains_the_builtin_job_like_two_local_processes(tmp_path: Path) -> 
             if key == "time" or key.startswith(("timing/", "perf/")):
                 continue
             assert runs["ray"][step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
-            compared += key in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "val/acc")
-    assert compared == 3 * steps + 1
+            compared += key in ("actor/pg_loss", "actor/grad_norm", "reward/mean")
+    assert compared == 3 * steps
 
 
 @needs_ray
