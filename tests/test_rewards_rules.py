@@ -12,7 +12,7 @@ import pytest
 from rlx.config import build_raw
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError
-from rlx.plugins.rewards import custom, mix, overlong, router
+from rlx.plugins.rewards import arith, custom, mix, overlong, router
 from rlx.plugins.rewards import format as format_reward
 from rlx.plugins.rewards import math as math_reward
 from rlx.protocols import RewardBatch, RewardOutput, RunInfo
@@ -47,7 +47,7 @@ def config_problems(*overrides: str) -> list[str]:
     return info.value.problems
 
 
-@pytest.mark.parametrize("module", [math_reward, format_reward, overlong])
+@pytest.mark.parametrize("module", [math_reward, format_reward, overlong, arith])
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -251,7 +251,7 @@ def test_router_options_are_validated_with_dotted_paths():
 
 # -- mix -------------------------------------------------------------------------------------------
 def test_mix_weights_and_logs_every_component():
-    fn = build("reward.name=mix", "reward.components=[{name: arith, weight: 0.7}, "
+    fn = build("reward.name=mix", "reward.components=[{name: arith, weight: 0.7, options: {distance_penalty: 0.1}}, "
                "{name: format, weight: 0.3, options: {style: regex, pattern: '^[0-9]$'}}]")
     out = fn(rb(["7", "5", "x"], ["7", "7", "7"]))
     assert out.scores == pytest.approx([1.0, 0.7 * 0.8 + 0.3, 0.0])
@@ -262,7 +262,8 @@ def test_mix_weights_and_logs_every_component():
 
 
 def test_mix_labels_and_normalize():
-    fn = build("reward.name=mix", "reward.normalize=true", "reward.components=[{name: arith, weight: 3}, "
+    fn = build("reward.name=mix", "reward.normalize=true",
+               "reward.components=[{name: arith, weight: 3, options: {distance_penalty: 0.1}}, "
                "{name: arith, weight: 1, label: strict, options: {distance_penalty: 0}}]")
     out = fn(rb(["5"], ["7"]))
     assert out.scores == pytest.approx([(3 * 0.8 + 1 * 0.0) / 4])
@@ -302,7 +303,7 @@ def test_mix_options_are_validated_with_dotted_paths():
 def test_mix_shows_component_defaults_in_the_resolved_config():
     cfg = resolved("reward.name=mix", "reward.components=[{name: arith, weight: 0.5}]").as_dict()
     assert cfg["reward"]["components"] == [{"name": "arith", "weight": 0.5, "label": None,
-                                            "options": {"distance_penalty": 0.1}}]
+                                            "options": {"distance_penalty": 0.0}}]
 
 
 def test_composites_can_nest():

@@ -1,14 +1,17 @@
 """The ``arith`` reward of the built-in task: is the response's first number the right sum?
 
-The response must start with a number. A right answer scores 1; a wrong number scores
+The response must start with a number. A right answer scores 1; anything else scores 0 (exact match,
+the default), or with ``distance_penalty > 0`` a wrong number scores
 ``max(0, 1 - distance_penalty * |answer - truth|)`` (partial credit, a graded signal for a model that
-rarely answers right) or, with ``distance_penalty=0``, 0; no number scores 0. ``arith/correct`` (exact
-match) is logged beside the score. The built-in job (the ``tiny`` preset) sets ``distance_penalty: 0``:
-partial credit there taught the policy to answer a number *near* the sum (reward 0.8, accuracy 0.1).
+rarely answers right). ``arith/correct`` (exact match) is logged beside the score. Partial credit is not
+the default: on the built-in job it taught the policy to answer a number *near* the sum (reward 0.8,
+accuracy 0.1).
 
 >>> from rlx.protocols import RewardBatch
->>> fn = build(ArithOptions(), None)
->>> fn(RewardBatch(["What is 3+4?"] * 4, ["7", "5", "seven", "70"], ["7"] * 4, ["rlx/arith"] * 4, [{}] * 4)).scores
+>>> batch = RewardBatch(["What is 3+4?"] * 4, ["7", "5", "seven", "70"], ["7"] * 4, ["rlx/arith"] * 4, [{}] * 4)
+>>> build(ArithOptions(), None)(batch).scores
+[1.0, 0.0, 0.0, 0.0]
+>>> build(ArithOptions(distance_penalty=0.1), None)(batch).scores
 [1.0, 0.8, 0.0, 0.0]
 """
 
@@ -27,7 +30,7 @@ _NUMBER = re.compile(r"\s*(-?\d+)")
 class ArithOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     distance_penalty: float = Field(
-        0.1, ge=0, description="Credit lost per unit of distance from the right answer (0: exact match only).")
+        0.0, ge=0, description="Credit lost per unit of distance from the right answer (0: exact match only).")
 
 
 def score(response: str, ground_truth: object, opts: ArithOptions) -> float:
@@ -53,4 +56,4 @@ def build(options: ArithOptions | None, ctx: object) -> object:
 @hookimpl
 def rlx_rewards() -> list[Component]:
     return [Component(kind="reward", name="arith", factory=build, config_model=ArithOptions,
-                      summary="Built-in task: the sum as the first number of the response; partial credit.")]
+                      summary="Built-in task: the sum as the first number of the response; optional partial credit.")]
