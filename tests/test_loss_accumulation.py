@@ -35,8 +35,9 @@ def losses(name: str, d: dict, rows: slice, **counts) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["ppo", "gspo", "value"])
 def test_micro_batch_losses_with_mini_batch_counts_sum_to_the_whole(name, mode):
     d = batch()
-    whole = losses(name, d, slice(0, 4), agg_mode=mode)
-    counts = {"num_tokens": float(d["mask"].sum()), "num_seqs": 4, "max_len": 4}
+    # max_len 6 > the padded width 4: Dr. GRPO divides by data.max_response_length, not the batch's width
+    whole = losses(name, d, slice(0, 4), agg_mode=mode, max_len=6)
+    counts = {"num_tokens": float(d["mask"].sum()), "num_seqs": 4, "max_len": 6}
     parts = [losses(name, d, rows, agg_mode=mode, **counts) for rows in (slice(0, 1), slice(1, 3), slice(3, 4))]
     torch.testing.assert_close(sum(parts), whole, rtol=1e-10, atol=1e-12)
     # Without the counts each part is normalised by its own size: a different (wrong) total.
@@ -51,6 +52,9 @@ def test_documented_defaults_are_the_ones_used():
                                F.gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0))
     assert not torch.allclose(F.gae_advantages(rewards, values, mask)[1],
                               F.gae_advantages(rewards, values, mask, gamma=0.5, lam=1.0)[1])
+    adv = d["c"]
+    torch.testing.assert_close(F.gspo_policy_loss(rewards * 0.3, values, adv, mask)[0],
+                               F.gspo_policy_loss(rewards * 0.3, values, adv, mask, clip_low=0.2, clip_high=0.2)[0])
     v, old, ret = d["a"], d["b"], d["c"]
     torch.testing.assert_close(F.value_loss(v, old, ret, mask)[0], F.value_loss(v, old, ret, mask, clip_range=0.2)[0])
     assert not torch.allclose(F.value_loss(v, old, ret, mask)[0], F.value_loss(v, old, ret, mask, clip_range=1.2)[0])
