@@ -67,7 +67,8 @@ MODULES: dict[str, Module] = {
     "console": Module("plugins/loggers/console.py", ("tests/test_loggers.py", "tests/test_logger_contract.py")),
     "reward_runner": Module("core/reward_runner.py", ("tests/test_reward_runner_checks.py",
                                                       "tests/test_reward_robustness.py", "-m", "not slow")),
-    "trainer": Module("core/trainer.py", ("tests/test_wiring.py", "tests/test_checkpoint_completeness.py",
+    "trainer": Module("core/trainer.py", ("tests/test_wiring.py", "tests/test_trainer_surface.py",
+                                          "tests/test_checkpoint_completeness.py",
                                           "tests/test_export.py", "tests/test_algorithms_trainer.py",
                                           "-m", "not slow")),
 }
