@@ -347,7 +347,11 @@ def test_ppo_epochs_minibatches_microbatches_are_exact(model_path, role):
     if role == "actor":
         assert m_whole["actor/pg_clipfrac"][:2] == [0.0, 0.0] and max(m_whole["actor/pg_clipfrac"][2:]) > 0.1
     for k, v in w_whole.items():
-        torch.testing.assert_close(w_micro[k], v, atol=1e-6, rtol=0, msg=k)
+        # The key projection's bias has a gradient of exactly 0 in exact arithmetic (adding one vector to
+        # every key shifts a query's scores by a constant, which softmax ignores), so AdamW normalises
+        # rounding noise there into steps of up to lr: those weights agree to the learning rate only.
+        atol = 1e-3 if k.endswith("k_proj.bias") else 1e-6
+        torch.testing.assert_close(w_micro[k], v, atol=atol, rtol=0, msg=k)
     assert m_micro[f"{role}/grad_norm"] == pytest.approx(m_whole[f"{role}/grad_norm"], rel=1e-5)
 
 

@@ -132,7 +132,7 @@ CASES = {
     "missing data file": (["--model", "builtin:tiny-qwen2", "data.train_files=/nope.parquet"],
                           ["data.train_files: file '/nope.parquet' does not exist"]),
     "mini-batch does not divide": (["actor.ppo_mini_batch_size=5"],
-                                   ["actor.ppo_mini_batch_size: 5 must divide data.train_batch_size (16)"]),
+                                   ["actor.ppo_mini_batch_size: 5 must divide data.train_batch_size (64)"]),
     "config file not found": (["--config", "missing.yaml"], ["--config missing.yaml: no such file"]),
     "override without =": (["actor.lr"], ["override 'actor.lr': expected KEY=VALUE"]),
     "unknown logger": (["trainer.loggers=[console,wandbx]"],

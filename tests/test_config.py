@@ -31,7 +31,7 @@ def problems_of(raw, pm, **kw) -> list[str]:
 def test_preset_beats_defaults():
     assert RLXConfig().data.train_batch_size == 32
     cfg = validate(build_raw(preset="tiny"))
-    assert cfg.data.train_batch_size == 16
+    assert cfg.data.train_batch_size == 64
     assert cfg.model.path == "builtin:tiny-qwen2"
     assert cfg.data.max_response_length == 4
 
@@ -138,7 +138,7 @@ def test_empty_yaml_section_sets_nothing(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("trainer:\nmodel:\n  path: m\n")
     cfg = validate(build_raw(preset="tiny", config_file=str(f)))
-    assert cfg.trainer.total_steps == 80
+    assert cfg.trainer.total_steps == 120
     assert cfg.model.path == "m"
 
 
@@ -168,7 +168,7 @@ def test_tuple_too_short():
 def test_mini_batch_must_divide():
     with pytest.raises(ConfigError) as info:
         validate(build_raw(preset="tiny", overrides=["actor.ppo_mini_batch_size=5"]))
-    assert info.value.problems == ["actor.ppo_mini_batch_size: 5 must divide data.train_batch_size (16)."]
+    assert info.value.problems == ["actor.ppo_mini_batch_size: 5 must divide data.train_batch_size (64)."]
 
 
 def test_plugin_option_errors_have_dotted_paths(pm):
@@ -221,7 +221,7 @@ def test_tiny_preset_is_valid_and_fills_plugin_defaults(pm, tmp_path, monkeypatc
     resolved = load_config(pm, preset="tiny")
     out = resolved.as_dict()
     assert out["algorithm"]["clip_ratio"] == 0.2
-    assert out["algorithm"]["kl_loss_coef"] == 0.001  # from the preset
+    assert out["algorithm"]["kl_loss_coef"] == 0.1  # from the preset
     assert out["rollout"]["n"] == 8
     assert "console" in out["loggers"] and "jsonl" in out["loggers"]
     assert not (tmp_path / "cache").exists()  # builtin: data is not written just to validate

@@ -30,28 +30,34 @@ def metrics(run: Path) -> list[dict]:
 
 
 def test_default_job_learns(tmp_path: Path) -> None:
-    """`rlx train` with no arguments: the built-in GRPO job runs and the reward clearly rises.
+    """`rlx train` with no arguments: the built-in GRPO job runs its 120 steps and learns for real.
 
-    Thresholds from measurements (seeds 1-3, 80 steps): mean reward of the first 5 steps was
-    0.11-0.14 and of the last 10 steps 0.76-0.78.
+    Greedy exact-match accuracy starts at chance (0.02 measured) and ended at 0.88-1.00 on seeds 1-5 of
+    two machines (docs/benchmarks.md; seed 1, the default, 0.98 and 1.00); the training reward (exact
+    match) rose from about 0.10 to 0.87-0.98. The thresholds sit far below those and far above chance.
+    This run is also the learning test of grpo (tests/test_algorithms_learn.py covers the others).
     """
     result = rlx("train", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "built-in preset 'tiny'" in result.stderr
     run = tmp_path / "outputs" / "rlx" / "tiny"
     rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 81))
-    rewards = [r["reward/mean"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(0, 121))  # step 0: validation before training
+    train = [r for r in rows if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in train]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    print(f"reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert last >= 0.5 and last >= first + 0.3, (first, last)
+    acc = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
+    print(f"accuracy {acc}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert acc[0] <= 0.2 and acc[120] >= 0.6, acc
+    assert last >= first + 0.4, (first, last)
+    assert "val acc" in result.stdout  # validation is shown on the console, next to the reward
     for key in ("reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "timing/gen", "timing/update_actor",
                 "perf/tokens_per_second"):
         assert key in rows[-1], key
     assert "val/reward/mean" in rows[-1]
-    assert "step 80/80" in result.stdout
-    assert checkpoint.latest(run / "checkpoints").name == "global_step_80"
+    assert "step 120/120" in result.stdout
+    assert checkpoint.latest(run / "checkpoints").name == "global_step_120"
     assert (run / "hf_model" / "config.json").is_file()
     assert (run / "config.yaml").is_file()
 
