@@ -211,6 +211,9 @@ class TrainerConfig(_Section):
     loggers: list[str] = Field(default_factory=lambda: ["console", "jsonl"], description="Logger plugins.")
     log_samples: int = Field(2, ge=0, le=MAX_BATCH, description="Sample rows given to loggers each step.")
     save_hf_model: bool = Field(True, description="Also write the final model in Hugging Face format.")
+    private_run_dir: bool = Field(True, description="Create a new run folder readable by its owner only (0700): "
+                                  "it holds configs, samples, checkpoints and models. An existing folder is left as "
+                                  "it is.")
 
     @field_validator("loggers", mode="before")
     @classmethod

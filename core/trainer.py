@@ -95,7 +95,7 @@ class Trainer:
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume_from = self._find_resume()
-        checkpoint.make_dir(self.run_dir, private=True)
+        checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
 

@@ -215,12 +215,16 @@ def test_run_folder_link_is_refused_and_export_temp_link_not_followed(tmp_path: 
     assert (run / "hf_model" / "config.json").is_file()
 
 
-def test_new_run_folder_is_private(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    result = rlx("train", *TINY, "trainer.total_steps=1", "trainer.save_freq=0", f"trainer.output_dir={run}",
-                 cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_new_run_folder_is_private_unless_asked(tmp_path: Path) -> None:
+    run, shared = tmp_path / "run", tmp_path / "shared"
+    for folder, extra in ((run, []), (shared, ["trainer.private_run_dir=false"])):
+        result = rlx("train", *TINY, "trainer.total_steps=1", "trainer.save_freq=0", f"trainer.output_dir={folder}",
+                     *extra, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
     assert run.stat().st_mode & 0o077 == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert shared.stat().st_mode & 0o777 == 0o777 & ~mask  # as any folder the user creates
 
 
 def test_a_failing_logger_is_switched_off_and_the_run_goes_on(tmp_path: Path, capsys, one_thread) -> None:
