@@ -225,3 +225,20 @@ def test_jsonl_file_is_utf8_text_with_dated_old_files_in_nested_folders(tmp_path
     jsonl_mod.build(opts, make_ctx(tmp_path))
     (old,) = path.parent.glob("m.jsonl.prev-*")
     assert re.fullmatch(r"m\.jsonl\.prev-\d{8}-\d{6}", old.name), old.name
+
+
+def test_console_shows_validation_steps_and_the_last_validation_accuracy():
+    from rich.console import Console
+
+    out = io.StringIO()
+    logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(every=10, progress=False),
+                                       console=Console(file=out, width=400, color_system=None))
+    logger.log({"reward/mean": 0.5, "progress/total_steps": 20}, 1)
+    logger.log({"reward/mean": 0.5}, 2)  # not printed: not every 10th, not first or last
+    logger.log({"reward/mean": 0.5, "val/acc": 0.75, "val/reward/mean": 0.5}, 3)  # validated: printed
+    logger.log({"reward/mean": 0.5, "val/reward/mean": 0.25}, 4)  # no accuracy: the last one is kept
+    logger.finish()
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines[:-1]] == ["step 1/20", "step 3/20", "step 4/20"]
+    assert "val acc 0.75 | val reward 0.5" in lines[1]
+    assert lines[-1].startswith("done: step 4/20 | final reward 0.5 | last validation acc 0.75 | ")
