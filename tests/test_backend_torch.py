@@ -367,3 +367,17 @@ def test_entropy_is_differentiated_only_when_the_loss_uses_it(model_path):
     assert torch.allclose(ent, ent_grad.detach())
     assert GRPOLoss(GRPOOptions(entropy_coeff=0.0)).needs_entropy_grad is False
     assert GRPOLoss(GRPOOptions(entropy_coeff=0.01)).needs_entropy_grad is True
+
+
+def test_resume_with_a_longer_schedule_uses_the_new_schedule_at_once(model_path, tmp_path):
+    """A run saved at step 2 of a 4-step cosine schedule and resumed with 8 steps takes its next step at the
+    8-step schedule's learning rate, not at the one the checkpoint recorded."""
+    short = make_worker(model_path, lr=1e-3, total_steps=4, lr_schedule="cosine")
+    for _ in range(2):
+        short.train_step(make_batch(), grpo_loss())
+    short.save_checkpoint(str(tmp_path / "ckpt"))
+    long = make_worker(model_path, lr=1e-3, total_steps=8, lr_schedule="cosine")
+    long.load_checkpoint(str(tmp_path / "ckpt"))
+    expected = 1e-3 * lr_lambda(long.spec)(2)
+    assert expected != pytest.approx(1e-3 * lr_lambda(short.spec)(2))
+    assert long.train_step(make_batch(), grpo_loss())["lr"] == pytest.approx(expected, rel=1e-9)

@@ -34,6 +34,7 @@ RELEASE = threading.Event()  # lets hung reward threads finish when the module's
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_hung_threads():
+    RELEASE.clear()  # module state outlives a pytest session run in the same process (mutation testing)
     yield
     RELEASE.set()
 

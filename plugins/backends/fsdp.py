@@ -61,6 +61,7 @@ from rlx.plugins.backends.torch_local import (
     lr_lambda,
     pick_device,
     resolve_dtype,
+    restore_scheduler,
 )
 from rlx.protocols import RoleSpec
 
@@ -540,7 +541,7 @@ class FSDPWorker(TorchWorker):
         own = os.path.join(path, f"rank{self.dp_rank}.pt")
         local = torch_load(own if os.path.exists(own) else os.path.join(path, "rank0.pt"))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(local["scheduler"])
+            restore_scheduler(self.scheduler, local["scheduler"])
         if os.path.exists(own):
             torch.set_rng_state(local["cpu_rng"])
             if local["cuda_rng"] is not None and self.device != "cpu":

@@ -47,6 +47,18 @@ def pick_device(requested: str) -> str:
     return requested
 
 
+def restore_scheduler(scheduler: Any, state: dict[str, Any]) -> None:
+    """Load a schedule's position and apply *this* run's schedule at it: a run resumed with another
+    ``trainer.total_steps`` (or warm-up) takes its next step at the new schedule's learning rate, not at
+    the one the checkpoint recorded."""
+    scheduler.load_state_dict(state)
+    step = scheduler.last_epoch
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
 def lr_lambda(spec: RoleSpec):
     warmup, total, kind = spec.warmup_steps, max(spec.total_steps, 1), spec.lr_schedule
     min_ratio = float(spec.extra.get("min_lr_ratio", 0.0))
@@ -350,7 +362,7 @@ class TorchWorker:
                                 "Resume from another checkpoint, or start a new run from the exported model.")
             state = torch_load(optim_path, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            restore_scheduler(self.scheduler, state["scheduler"])
         rng_path = os.path.join(path, rng_file(self.rank))
         if not os.path.exists(rng_path) and self.rank > 0:  # resumed with more processes than were saved
             torch.manual_seed(self.spec.seed + self.rank)
