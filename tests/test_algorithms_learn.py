@@ -31,7 +31,7 @@ import pytest
 
 from rlx.plugins.loggers.jsonl import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
 ACC = "val/rlx/arith/acc"
 # Steps, least final accuracy, least reward rise (mean of the last 10 steps minus the first 5).

@@ -29,6 +29,7 @@ def metrics(run: Path) -> list[dict]:
     return read_metrics(run)
 
 
+@pytest.mark.learning
 def test_default_job_learns(tmp_path: Path) -> None:
     """`rlx train` with no arguments: the built-in GRPO job runs its 120 steps and learns for real.
 
