@@ -252,13 +252,40 @@ def run(args: list[str] | None = None) -> None:
     """
     _default_threads()
     try:
-        _pm().add_cli_commands(app)
-        app(args=args, prog_name="rlx")
-    except UserError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        typer.echo("Interrupted.", err=True)
-        sys.exit(130)
+        try:
+            _pm().add_cli_commands(app)
+            app(args=args, prog_name="rlx")
+        except UserError as exc:
+            _fail(exc)
+        except KeyboardInterrupt:
+            typer.echo("Interrupted.", err=True)
+            sys.exit(130)
+    except SystemExit as done:
+        if _used_torch_distributed():
+            _leave_now(done)
+        raise
+
+
+def _used_torch_distributed() -> bool:
+    local = sys.modules.get("rlx.plugins.launchers.local")
+    if local is not None and getattr(local, "PROCESS_GROUP_USED", False):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _leave_now(done: SystemExit) -> None:
+    """End the process with ``done``'s status, skipping the interpreter's teardown: after torch.distributed
+    was used, its C++ threads can abort that teardown ("terminate called without an active exception"),
+    turning a finished run into a crash. Everything is written by now (loggers finished, checkpoints sealed,
+    workers stopped)."""
+    code = done.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if code is None else int(code))
 
 
 def _default_threads() -> None:

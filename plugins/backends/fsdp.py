@@ -58,7 +58,6 @@ from rlx.errors import UserError
 from rlx.plugins.backends.torch_local import (
     TorchWorker,
     load_value_model,
-    lr_lambda,
     pick_device,
     resolve_dtype,
     restore_scheduler,
@@ -260,16 +259,7 @@ class FSDPWorker(TorchWorker):
             self.model = self._build_fsdp2()
         else:
             self.model = self._build_fsdp1()
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        if spec.trainable:
-            self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.betas,
-                                               weight_decay=spec.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
-        else:
-            self.model.eval()
-            self.model.requires_grad_(False)
+        self._set_up_optimizer()
 
     # -- building --------------------------------------------------------------------------------
     def _load_full(self) -> Any:

@@ -177,16 +177,22 @@ class TorchWorker:
                 spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
                 attn_implementation=options.attn_implementation,
             ).to(self.device)
+        self.autocast = spec.trainable and self.device != "cpu" and self.compute_dtype != torch.float32
+        if spec.trainable and spec.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self._set_up_optimizer()
+
+    def _set_up_optimizer(self) -> None:
+        """AdamW and the learning-rate schedule for a trainable role; a frozen one gets no gradients."""
+        import torch
+
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
-        self.autocast = spec.trainable and self.device != "cpu" and self.compute_dtype != torch.float32
-        if spec.trainable:
-            if spec.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
+        if self.spec.trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.betas,
-                                               weight_decay=spec.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, betas=self.spec.betas,
+                                               weight_decay=self.spec.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.spec))
         else:
             self.model.eval()
             self.model.requires_grad_(False)

@@ -197,10 +197,16 @@ class _Host:
         raise ValueError(f"unknown command {op!r}")
 
 
+PROCESS_GROUP_USED = False  # this process took part in a torch.distributed group (the CLI's exit reads it)
+
+
 def _set_up_process(rank: int, world_size: int, init_method: str, timeout_s: float, device: str,
                     threads: int | None) -> None:
     import torch
     import torch.distributed as dist
+
+    global PROCESS_GROUP_USED
+    PROCESS_GROUP_USED = True
 
     if threads:
         torch.set_num_threads(threads)
@@ -253,9 +259,10 @@ def _free_port() -> int:
 
 
 class ProcessWorkerGroup:
-    """One role's workers, one per process; rank r's data-parallel rank comes from its worker."""
+    """One role's workers, one per process (or Ray actor); rank r's data-parallel rank comes from its worker.
+    ``launcher.run(cmd, shares)`` runs a command on every rank and returns every rank's result."""
 
-    def __init__(self, launcher: ProcessLauncher, role: str, infos: list[DispatchInfo]) -> None:
+    def __init__(self, launcher: Any, role: str, infos: list[DispatchInfo]) -> None:
         self.launcher, self.role, self.infos = launcher, role, infos
         self.world_size = len(infos)
         self.dp_size = infos[0].dp_size
@@ -264,7 +271,8 @@ class ProcessWorkerGroup:
         parts = shard(batch, self.dp_size)
         shares = [parts[info.dp_rank] for info in self.infos]
         results = self.launcher.run(("call", self.role, method, args, kwargs), shares)
-        collected = sorted((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect)
+        collected = sorted(((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect),
+                           key=lambda pair: pair[0])
         return gather([r for _, r in collected])
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

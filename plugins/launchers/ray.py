@@ -36,11 +36,9 @@ from typing import Any, Literal, NoReturn
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
-from rlx.batch import Batch
 from rlx.context import BuildContext
 from rlx.errors import UserError, describe_exception, require
-from rlx.plugins.launchers.local import LocalWorkerGroup, Where, _Host, _set_up_process, gather, shard
-from rlx.protocols import DispatchInfo
+from rlx.plugins.launchers.local import LocalWorkerGroup, ProcessWorkerGroup, Where, _Host, _set_up_process
 
 MAX_WORKERS = 4096
 
@@ -133,29 +131,6 @@ def _failure(exc: BaseException) -> _Failure:
     if isinstance(exc, UserError):
         return _Failure(True, str(exc))
     return _Failure(False, describe_exception(exc))
-
-
-class RayWorkerGroup:
-    """One role's workers, one per actor; actor r's data-parallel rank comes from its worker."""
-
-    def __init__(self, launcher: RayLauncher, role: str, infos: list[DispatchInfo]) -> None:
-        self.launcher, self.role, self.infos = launcher, role, infos
-        self.world_size = len(infos)
-        self.dp_size = infos[0].dp_size
-
-    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
-        parts = shard(batch, self.dp_size)
-        shares = [parts[info.dp_rank] for info in self.infos]
-        results = self.launcher.run(("call", self.role, method, args, kwargs), shares)
-        collected = sorted(((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect),
-                           key=lambda pair: pair[0])
-        return gather([r for _, r in collected])
-
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.launcher.run(("call_all", self.role, method, args, kwargs))
-
-    def shutdown(self) -> None:
-        """The launcher closes every role at once."""
 
 
 class RayLauncher:
@@ -355,12 +330,12 @@ class RayLauncher:
         raise SystemExit(1)
 
     def create_group(self, role: str, build: Callable[[int, int], Any],
-                     where: Where = "workers") -> LocalWorkerGroup | RayWorkerGroup:
+                     where: Where = "workers") -> LocalWorkerGroup | ProcessWorkerGroup:
         if where == "driver":
             return LocalWorkerGroup(role, [build(0, 1)])
-        return RayWorkerGroup(self, role, self.run(("build", role, build)))
+        return ProcessWorkerGroup(self, role, self.run(("build", role, build)))
 
-    def transfer_weights(self, src: RayWorkerGroup, dst: RayWorkerGroup) -> None:
+    def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> None:
         """Every actor loads its own actor role's weights into its own rollout engine."""
         self.run(("sync", src.role, dst.role))
 
