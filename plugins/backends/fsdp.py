@@ -396,22 +396,12 @@ class FSDPWorker(TorchWorker):
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
-    def optimizer_step(self) -> tuple[float, bool, float]:
-        import torch
-
-        assert self.optimizer is not None
+    def clip_gradients(self) -> torch.Tensor:
+        """FSDP already summed the gradients over ranks in its reduce-scatter; clip to the global norm over
+        every shard (the step itself is the torch backend's)."""
         if self.engine == "fsdp":
-            grad_norm = self.model.clip_grad_norm_(self.spec.grad_clip)
-        else:
-            grad_norm = self._clip_fsdp2(self.spec.grad_clip)
-        applied = bool(torch.isfinite(grad_norm))
-        if applied:
-            self.optimizer.step()
-        else:  # a bad batch must not poison the weights: skip the update and report it
-            self.optimizer.zero_grad(set_to_none=True)
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return float(grad_norm), applied, lr
+            return self.model.clip_grad_norm_(self.spec.grad_clip)
+        return self._clip_fsdp2(self.spec.grad_clip)
 
     def _clip_fsdp2(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a global L2 norm over all shards of all ranks; return that norm.

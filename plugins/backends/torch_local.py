@@ -242,17 +242,24 @@ class TorchWorker:
         assert self.optimizer is not None, f"role {self.spec.role} is not trainable"
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> tuple[float, bool, float]:
+    def clip_gradients(self) -> torch.Tensor:
+        """Sum the gradients over data-parallel ranks (each rank's loss is its share of the global
+        mini-batch loss) and clip them to the global norm; return that norm."""
         import torch
 
-        assert self.optimizer is not None
-        if self.dp_size > 1:  # each rank's loss is its share of the global mini-batch loss: sum them
+        if self.dp_size > 1:
             import torch.distributed as dist
 
             for param in self.model.parameters():
                 if param.grad is not None:
                     dist.all_reduce(param.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+
+    def optimizer_step(self) -> tuple[float, bool, float]:
+        import torch
+
+        assert self.optimizer is not None
+        grad_norm = self.clip_gradients()
         applied = bool(torch.isfinite(grad_norm))
         if applied:
             self.optimizer.step()
