@@ -85,6 +85,10 @@ SAME_UPDATE = textwrap.dedent('''
 
     if __name__ == "__main__":
         main(int(sys.argv[1]), sys.argv[2])
+        # As the CLI does after torch.distributed was used: its C++ threads can abort the interpreter's
+        # teardown ("terminate called without an active exception") once everything is written.
+        import os
+        os._exit(0)
 ''')
 
 
