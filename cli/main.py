@@ -129,8 +129,9 @@ def _options_model(comp: Any) -> Any:
     from pydantic import BaseModel
 
     from rlx.errors import describe_exception
+    from rlx.registry import describe_component
 
-    what = f"{comp.kind} {comp.name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+    what = describe_component(comp)
     try:
         model = comp.load_config_model()
     except Exception as exc:

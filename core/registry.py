@@ -206,20 +206,13 @@ class PluginManager:
         a :class:`UserError` naming the component, its plugin and distribution (a ``UserError`` the factory
         raises itself already says what to fix and passes through)."""
         comp = self.get(kind, name)
-        what = f"{kind} {name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+        what = describe_component(comp)
         try:
             factory = comp.load_factory()
         except Exception as exc:
             raise UserError(f"Cannot import the factory {comp.factory!r} of {what}: {describe_exception(exc)}",
                             "Reinstall or update that plugin, or report the fault to its authors.") from exc
-        try:
-            return factory(options, ctx)
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(f"Building {what} failed: {describe_exception(exc)}",
-                            "If the message is about your model, data or options, fix them; otherwise report "
-                            "it to the plugin's authors.") from exc
+        return call_factory(factory, options, ctx, what)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -280,6 +273,24 @@ def _warn_unmatched(off: set[str], found: list[tuple[EntryPoint, str, str]]) -> 
         print(f"Warning: RLX_DISABLE_PLUGINS names {unknown!r}, which is neither an rlx plugin entry point nor "
               f"a distribution providing one, so it turns nothing off.{did_you_mean(unknown, names + dists)} "
               f"Entry points: {', '.join(names)}. Distributions: {', '.join(dists)}.", file=sys.stderr)
+
+
+def describe_component(comp: Component) -> str:
+    """``kind 'name' (plugin P, distribution D V)``, for messages about a component."""
+    return f"{comp.kind} {comp.name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+
+
+def call_factory(factory: Any, options: Any, ctx: Any, what: str) -> Any:
+    """``factory(options, ctx)``; a factory that raises is a :class:`UserError` naming ``what`` (a
+    ``UserError`` the factory raises itself already says what to fix and passes through)."""
+    try:
+        return factory(options, ctx)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"Building {what} failed: {describe_exception(exc)}",
+                        "If the message is about your model, data or options, fix them; otherwise report "
+                        "it to the plugin's authors.") from exc
 
 
 def _env_flag(name: str) -> bool:

@@ -29,7 +29,7 @@ from rlx.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.errors import UserError, describe_exception
 from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
-from rlx.registry import PluginManager
+from rlx.registry import PluginManager, call_factory, describe_component
 from rlx.validate import Resolved
 from rlx.workers import RewardWorker
 
@@ -65,14 +65,7 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
 
 
 def _call_factory(factory: Any, options: Any, ctx: BuildContext, what: str, rank: int, world_size: int) -> Any:
-    try:
-        return factory(options, ctx)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"Building {what} failed: {describe_exception(exc)}",
-                        "If the message is about your model, data or options, fix them; otherwise report it to "
-                        "the plugin's authors.") from exc
+    return call_factory(factory, options, ctx, what)
 
 
 class Trainer:
@@ -191,7 +184,7 @@ class Trainer:
         runs (another process, under a multi-process launcher): the factory, its options and a build
         context carrying the config, the run and the tokenizer, but not the plugin manager."""
         comp = self.pm.get(kind, name)
-        what = f"{kind} {name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
+        what = describe_component(comp)
         ctx = dataclasses.replace(self.ctx, plugins=None)
         return partial(_call_factory, comp.load_factory(), self.resolved.options.get(options_key), ctx, what)
 
