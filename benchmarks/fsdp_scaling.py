@@ -128,7 +128,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
                 times["log_prob"].append(t1 - t0)
                 times["update"].append(t2 - t1)
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0
-        result = {"rank": rank, "times": times, "peak_mem_gib": peak, "grad_norm": metrics[-1]["grad_norm"], "tflops_matmul": matmul_tflops()}
+        result = {"rank": rank, "times": times, "peak_mem_gib": peak, "grad_norm": metrics[-1]["grad_norm"],
+                  "tflops_matmul": matmul_tflops()}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
