@@ -8,7 +8,8 @@ One step of the algorithm, on a batch of B responses (R response tokens, right-p
     r_it     = s_i on the last real token, 0 elsewhere                    (token-level scores)
              - beta * KL_t(pi_old || pi_ref)   if use_kl_in_reward        (token-level rewards)
     A, G     = estimator(EstimatorInputs(scores = sum_t r_it, token_level_rewards = r, ...))
-    actor:  L = agg(PPO-clip(ratio, A)) + kl_loss_coef * agg(KL(pi || pi_ref)) - entropy_coeff * agg(H)
+    actor:  L = agg(w * PPO-clip(ratio, A)) + kl_loss_coef * agg(KL(pi || pi_ref)) - entropy_coeff * agg(H)
+            w = min(exp(old_log_prob - rollout_log_prob), tis_cap) (detached) when tis_cap is set, else 1
     critic: L = agg(0.5 * max((V - G)^2, (clip(V, V_old +- c) - G)^2))    (when the estimator needs values)
 
 The tensor math is :mod:`rlx.plugins.algorithms.functional`; this module imports torch only when
@@ -78,6 +79,10 @@ class AlgorithmOptions(BaseModel):
         "token-mean", description="How per-token losses become one number (policy_loss=gspo: "
         "seq-mean-token-mean unless set).")
     entropy_coeff: float = Field(0.0, ge=0, le=100, description="Weight of the entropy bonus.")
+    tis_cap: float | None = Field(
+        None, gt=0, le=1e6, description="Truncated importance sampling (verl: tis_imp_ratio_cap): each token's policy "
+        "loss is multiplied by min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for a rollout engine "
+        "whose probabilities differ from the trainer's (2 is usual; null: off).")
     # -- KL to the reference policy
     use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
     kl_loss_coef: float = Field(0.001, ge=0, le=100, description="Weight of the KL loss.")
@@ -158,9 +163,14 @@ class ActorLoss:
         norm = minibatch_norm(mb, mask)
         clip = {"clip_low": o.clip_ratio_low or o.clip_ratio, "clip_high": o.clip_ratio_high or o.clip_ratio,
                 "clip_ratio_c": o.clip_ratio_c}
+        tis: dict[str, float] = {}
+        weights = None
+        if o.tis_cap is not None:
+            weights, tis = F.tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, o.tis_cap)
         pg_loss, metrics = F.POLICY_LOSSES[o.policy_loss](
-            log_probs, mb["old_log_probs"], mb["advantages"], mask, agg_mode=o.loss_agg_mode, **clip, **norm)
-        out = {f"actor/{k}": float(v) for k, v in metrics.items()}
+            log_probs, mb["old_log_probs"], mb["advantages"], mask, agg_mode=o.loss_agg_mode, token_weights=weights,
+            **clip, **norm)
+        out = {f"actor/{k}": float(v) for k, v in {**metrics, **tis}.items()}
         out["actor/pg_loss"] = float(pg_loss.detach()) * share_to_mean(mb, mask)
         out["actor/entropy"] = float(F.masked_mean(entropy.detach(), mask))
         loss = pg_loss
@@ -288,6 +298,10 @@ class PolicyGradient:
         from rlx.plugins.algorithms import functional as F
         from rlx.protocols import EstimatorInputs
 
+        if self.opts.tis_cap is not None and "rollout_log_probs" not in batch:
+            raise UserError("algorithm.tis_cap corrects the actor loss with the rollout engine's log-probs, but this "
+                            "rollout engine returns none (no rollout_log_probs in its batch).",
+                            "Use an engine that returns them (hf, vllm, sglang) or set algorithm.tis_cap=null.")
         mask = batch["response_mask"].float()  # (B, R)
         scores = self.shaped_scores(batch)  # (B,)
         token_scores = F.scores_to_token_rewards(scores, mask)  # (B, R)
@@ -360,6 +374,10 @@ class PolicyGradient:
             out["batch/equal_score_groups"] = float(equal)
             out["batch/equal_score_group_ratio"] = equal / groups
             out["batch/equal_score_steps"] = float(self.equal_score_steps)
+        if "rollout_log_probs" in batch and "old_log_probs" in batch:
+            diff_mean, diff_max = F.logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask)
+            out["rollout/logprob_diff_mean"] = diff_mean
+            out["rollout/logprob_diff_max"] = diff_max
         if self.overlong_buffer_len:
             penalty = batch["shaped_scores"] - batch["scores"].float()
             out["reward/overlong_penalty/mean"] = float(penalty.mean())

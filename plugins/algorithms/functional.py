@@ -547,6 +547,7 @@ def ppo_policy_loss(
     num_tokens: Number | torch.Tensor | None = None,
     num_seqs: Number | torch.Tensor | None = None,
     max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (with optional dual clip); all tensors (B, T).
 
@@ -554,6 +555,8 @@ def ppo_policy_loss(
     l_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
     dual clip (``clip_ratio_c`` = c > 1, default 3 as in verl; ``None`` turns it off):
     l_t = min(l_t, -A_t * c) where A_t < 0.
+    ``token_weights`` w (B, T), e.g. truncated importance-sampling weights (:func:`tis_weights`), scale
+    each token's loss: l_t = w_t * l_t (w is used as given: pass it detached).
     loss = agg_loss(l, mask, agg_mode, ...).
 
     Metrics (python floats, masked means over this call's valid tokens): ``pg_clipfrac`` (clipped
@@ -569,6 +572,8 @@ def ppo_policy_loss(
     loss_mat, metrics = _clipped_surrogate(
         ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c
     )
+    if token_weights is not None:
+        loss_mat = loss_mat * _masked(token_weights, response_mask)
     loss = agg_loss(
         loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
     )
@@ -590,6 +595,7 @@ def gspo_policy_loss(
     num_tokens: Number | torch.Tensor | None = None,
     num_seqs: Number | torch.Tensor | None = None,
     max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: PPO clipping on a sequence-level, length-normalised importance ratio.
 
@@ -602,6 +608,7 @@ def gspo_policy_loss(
     The GSPO paper uses far smaller clip ranges (about 3e-4 / 4e-4) than token-level PPO; the
     defaults here are kept equal to :func:`ppo_policy_loss` so the two are interchangeable.
     ``clip_ratio_c`` is accepted for signature compatibility and ignored (no dual clip).
+    ``token_weights`` scale each token's loss as in :func:`ppo_policy_loss`.
     Metrics as in :func:`ppo_policy_loss` (``pg_clipfrac_dual`` is always 0).
     """
     del clip_ratio_c
@@ -613,12 +620,49 @@ def gspo_policy_loss(
     log_ratio = seq_log_ratio.unsqueeze(-1) + (log_probs - log_probs.detach())  # (B, T)
     ratio = torch.exp(log_ratio)
     loss_mat, metrics = _clipped_surrogate(ratio, advantages, response_mask, clip_low, clip_high, None)
+    if token_weights is not None:
+        loss_mat = loss_mat * _masked(token_weights, response_mask)
     loss = agg_loss(
         loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
     )
     with torch.no_grad():
         metrics["ppo_kl"] = masked_mean(old_log_probs - log_probs, response_mask).item()
     return loss, metrics
+
+
+@torch.no_grad()
+def tis_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance-sampling weights for responses sampled by a rollout engine whose
+    probabilities differ from the trainer's (Yao et al., 2025; verl's ``tis_imp_ratio_cap``); (B, T) each.
+
+    w_t = min(exp(old_t - rollout_t), cap) on valid tokens, 0 at padding; no gradient flows through w.
+    Metrics over valid tokens: ``tis_weight_mean`` and ``tis_clipfrac`` (share of tokens whose ratio
+    exceeded ``cap``).
+    """
+    if not cap > 0:
+        raise ValueError(f"the TIS cap must be positive, got {cap}")
+    m = _bool_mask(old_log_probs, response_mask)
+    log_ratio = _masked(old_log_probs.float() - rollout_log_probs.float(), m).clamp(max=_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weights = _masked(ratio.clamp(max=cap), m)
+    metrics = {"tis_weight_mean": masked_mean(weights, m).item(),
+               "tis_clipfrac": masked_mean((ratio > cap).float(), m).item()}
+    return weights, metrics
+
+
+@torch.no_grad()
+def logprob_diff(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[float, float]:
+    """``(mean, max)`` of |rollout_t - old_t| over valid response tokens: how far the rollout engine's
+    probabilities of the sampled tokens are from the trainer's. ``(0.0, 0.0)`` without valid tokens."""
+    m = _bool_mask(old_log_probs, response_mask)
+    diff = (rollout_log_probs.float() - old_log_probs.float()).abs()[m]
+    if not diff.numel():
+        return 0.0, 0.0
+    return diff.mean().item(), diff.max().item()
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
