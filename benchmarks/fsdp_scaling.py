@@ -127,6 +127,17 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
             if step >= args.warmup:
                 times["log_prob"].append(t1 - t0)
                 times["update"].append(t2 - t1)
+        if args.profile and rank == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                batch.tensors["old_log_probs"] = worker.compute_log_probs(batch)["log_probs"]
+                worker.update([batch], loss)
+                sync()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile))
+        elif args.profile:
+            batch.tensors["old_log_probs"] = worker.compute_log_probs(batch)["log_probs"]
+            worker.update([batch], loss)
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0
         result = {"rank": rank, "times": times, "peak_mem_gib": peak, "grad_norm": metrics[-1]["grad_norm"],
                   "tflops_matmul": matmul_tflops()}
@@ -173,6 +184,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=false")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the measured steps, profile one more and print the N ops with most GPU time")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model of width 64 (a CPU smoke run)")
     args = p.parse_args()
     if args.tiny:
