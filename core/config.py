@@ -28,6 +28,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 # into inf inside torch: batch x samples x (prompt + response) tokens is at most 2**57 elements.
 MAX_TOKENS = 2**20  # data.max_prompt_length, data.max_response_length
 MAX_BATCH = 2**20  # batch and micro-batch sizes, reward.chunk_size, trainer.log_samples
+MAX_TOKEN_BUDGET = 2**31  # tokens per micro-batch (dynamic batch size) and per head chunk
 MAX_SAMPLES = 2**16  # rollout.n, rollout.val_n
 MAX_STEPS = 10**9  # steps, epochs, frequencies, warm-up steps, checkpoints kept
 MAX_PPO_EPOCHS = 1024
@@ -102,6 +103,23 @@ class ActorConfig(_Section):
         16, gt=0, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs (no gradients).")
     ppo_epochs: int = Field(1, gt=0, le=MAX_PPO_EPOCHS, description="Passes over each step's rollouts.")
     shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
+    use_remove_padding: bool = Field(
+        True, description="Packed sequences: a micro-batch's rows go through the model as one row without "
+        "padding, attention kept within each sequence (models on transformers' attention interface; others "
+        "stay padded). Also the reference's setting.")
+    use_dynamic_bsz: bool = Field(
+        False, description="Cut micro-batches by a token budget (ppo_max_token_len_per_gpu, "
+        "log_prob_max_token_len_per_gpu) instead of a row count; the reference follows the log-prob budget.")
+    ppo_max_token_len_per_gpu: int = Field(
+        16384, gt=0, le=MAX_TOKEN_BUDGET, description="Most prompt + response tokens in one forward/backward "
+        "micro-batch (use_dynamic_bsz).")
+    log_prob_max_token_len_per_gpu: int = Field(
+        16384, gt=0, le=MAX_TOKEN_BUDGET, description="Most prompt + response tokens in one log-prob forward "
+        "pass (use_dynamic_bsz; the reference too).")
+    log_prob_chunk_size: int = Field(
+        1024, ge=0, le=MAX_TOKEN_BUDGET, description="Log-probs and entropy from the head this many response "
+        "positions at a time (compute dtype, float32 reduction), never a float32 copy of all the logits; "
+        "0: the plain path (all response logits in float32).")
 
 
 class CriticOptimConfig(OptimConfig):
@@ -125,6 +143,17 @@ class CriticConfig(_Section):
         0.5, gt=0, description="Clip new values to old +- this in the value loss (null: no clipping).")
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
                               description="First steps in which only the critic trains (the actor waits).")
+    use_remove_padding: bool = Field(True, description="Packed sequences for the critic (see "
+                                     "actor.use_remove_padding).")
+    use_dynamic_bsz: bool = Field(
+        False, description="Cut the critic's micro-batches by a token budget (ppo_max_token_len_per_gpu, "
+        "forward_max_token_len_per_gpu) instead of a row count.")
+    ppo_max_token_len_per_gpu: int = Field(
+        32768, gt=0, le=MAX_TOKEN_BUDGET, description="Most prompt + response tokens in one forward/backward "
+        "micro-batch of the critic (use_dynamic_bsz).")
+    forward_max_token_len_per_gpu: int = Field(
+        32768, gt=0, le=MAX_TOKEN_BUDGET, description="Most prompt + response tokens in one value forward pass "
+        "(use_dynamic_bsz).")
 
 
 class ComponentSection(BaseModel):
@@ -278,6 +307,20 @@ class RLXConfig(_Section):
             problems.append(
                 f"actor.ppo_mini_batch_size: {self.actor.ppo_mini_batch_size} must divide "
                 f"data.train_batch_size ({self.data.train_batch_size}).")
+        longest = self.data.max_prompt_length + self.data.max_response_length
+        budgets = []
+        if self.actor.use_dynamic_bsz:
+            budgets += [("actor", "ppo_max_token_len_per_gpu", self.actor.ppo_max_token_len_per_gpu),
+                        ("actor", "log_prob_max_token_len_per_gpu", self.actor.log_prob_max_token_len_per_gpu)]
+        if self.critic.use_dynamic_bsz:
+            budgets += [("critic", "ppo_max_token_len_per_gpu", self.critic.ppo_max_token_len_per_gpu),
+                        ("critic", "forward_max_token_len_per_gpu", self.critic.forward_max_token_len_per_gpu)]
+        for section, name, budget in budgets:
+            if budget < longest:
+                problems.append(
+                    f"{section}.{name}: {budget} is smaller than the longest sequence, data.max_prompt_length + "
+                    f"data.max_response_length = {longest}: raise it to at least {longest}, or set "
+                    f"{section}.use_dynamic_bsz=false.")
         if problems:
             raise ValueError("; ".join(problems))
         return self

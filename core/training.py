@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlx.batch import Batch
+    from rlx.config import RLXConfig
     from rlx.protocols import LossFn
 
 # The columns a model's forward pass reads; nothing else travels to the device.
@@ -50,27 +51,133 @@ class StepEngine(Protocol):
     def to_device(self, micro: Batch) -> Batch: ...
 
 
-def micro_batches(engine: StepEngine, batch: Batch, size: int) -> list[Batch]:
-    """``batch`` cut into micro-batches of at most ``size`` rows, as many on every rank as on the rank
-    that needs the most (a rank with fewer rows gets smaller ones)."""
-    local = math.ceil(len(batch) / size) if len(batch) else 0
+def row_tokens(batch: Batch) -> list[int]:
+    """Tokens of each row: its valid prompt and response tokens (the packed length of its sequence)."""
+    return [int(v) for v in (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()]
+
+
+def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
+    """Row indices in ``count`` groups of at most ``budget`` tokens each: first-fit decreasing, then the
+    heaviest groups of several rows halved until there are ``count`` (``count`` is at least the number
+    first-fit needs, and at most the number of rows)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        for b, load in enumerate(loads):
+            if load + tokens[i] <= budget:
+                bins[b].append(i)
+                loads[b] += tokens[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(tokens[i])
+    while len(bins) < count:
+        b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: loads[b])
+        rows = bins.pop(b)
+        loads.pop(b)
+        for half in (rows[0::2], rows[1::2]):  # rows are heaviest first: alternating splits the load evenly
+            bins.append(half)
+            loads.append(sum(tokens[i] for i in half))
+    return [sorted(rows) for rows in bins]
+
+
+def micro_batches(engine: StepEngine, batch: Batch, size: int,
+                  budget: tuple[int, str] | None = None) -> list[tuple[list[int] | None, Batch]]:
+    """``batch`` cut into micro-batches, as many on every rank as on the rank that needs the most (a rank
+    with fewer rows gets smaller ones), each with the batch's row indices it holds (None: consecutive).
+
+    Without ``budget``: at most ``size`` rows each. With ``budget`` = (max tokens, the option that sets
+    it): rows grouped so that no micro-batch holds more than max tokens (:func:`row_tokens`).
+    """
+    if budget is None:
+        local = math.ceil(len(batch) / size) if len(batch) else 0
+    else:
+        max_tokens, option = budget
+        tokens = row_tokens(batch)
+        longest = max(tokens, default=0)
+        if longest > max_tokens:
+            from rlx.errors import UserError
+
+            raise UserError(f"A sequence of {longest} tokens (prompt and response) is longer than the token budget "
+                            f"of one micro-batch, {option}={max_tokens}.",
+                            f"Raise {option} to at least data.max_prompt_length + data.max_response_length, or "
+                            "turn use_dynamic_bsz off.")
+        local = len(_token_bins(tokens, max_tokens, 0))
     count = int(engine.all_reduce([float(local)], op="max")[0])
-    if count == local:
-        return batch.split(size)
     if len(batch) < count:
         raise RuntimeError(f"a data-parallel rank got {len(batch)} rows for {count} micro-batches; "
                            "the driver must give every rank enough rows")
-    return batch.chunk(count)
+    if budget is not None:
+        return [(rows, batch.index(rows)) for rows in _token_bins(tokens, budget[0], count)]
+    if count == local:
+        return [(None, mb) for mb in batch.split(size)]
+    return [(None, mb) for mb in batch.chunk(count)]
 
 
-def run_forward(engine: StepEngine, batch: Batch, size: int, fn: Callable[[Batch], Any]) -> list[Any]:
-    """``fn(micro_batch)`` over ``batch`` in micro-batches (no gradients; the engine sets eval mode)."""
-    return [fn(engine.to_device(mb)) for mb in micro_batches(engine, batch.select(*MODEL_COLUMNS), size)]
+def run_forward(engine: StepEngine, batch: Batch, size: int, fn: Callable[[Batch], dict[str, torch.Tensor]],
+                budget: tuple[int, str] | None = None) -> dict[str, torch.Tensor]:
+    """``fn(micro_batch)`` (per-row tensors by name) over ``batch`` in micro-batches (no gradients; the
+    engine sets eval mode), concatenated in the batch's row order."""
+    import torch
+
+    parts = micro_batches(engine, batch.select(*MODEL_COLUMNS), size, budget)
+    outputs = [fn(engine.to_device(mb)) for _, mb in parts]
+    if not outputs:
+        return {}
+    out = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]}
+    if budget is not None:
+        order = torch.tensor([i for rows, _ in parts for i in rows or []])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        out = {k: v[inverse.to(v.device)] for k, v in out.items()}
+    return out
+
+
+def balance_for_ranks(batch: Batch, parts: int) -> Batch:
+    """``batch``'s rows reordered so that ``batch.chunk(parts)`` gives every data-parallel rank the rows it
+    gives now in number, with nearly equal token counts: each row, heaviest first, goes to the rank with the
+    fewest tokens that still has room. Rows keep their order within a rank. For an update the order of a
+    mini-batch's rows does not change its gradient (the loss is a sum over rows with global counts)."""
+    n = len(batch)
+    if parts <= 1 or n <= parts:
+        return batch
+    tokens = row_tokens(batch)
+    room = [n * (r + 1) // parts - n * r // parts for r in range(parts)]
+    load = [0] * parts
+    ranks: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
+        r = min((r for r in range(parts) if room[r]), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += tokens[i]
+        room[r] -= 1
+    return batch.index([i for rows in ranks for i in sorted(rows)])
+
+
+def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
+    """The forward-pass settings of a role (``RoleSpec.extra`` keys) from the config: packing, the
+    chunked head, token budgets. The reference scores like the actor's log-prob passes."""
+    if config is None:
+        return {}
+    if role == "critic":
+        c = config.critic
+        return {"use_remove_padding": c.use_remove_padding, "use_dynamic_bsz": c.use_dynamic_bsz,
+                "ppo_max_token_len": c.ppo_max_token_len_per_gpu,
+                "ppo_max_token_len_option": "critic.ppo_max_token_len_per_gpu",
+                "log_prob_max_token_len": c.forward_max_token_len_per_gpu,
+                "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu"}
+    a = config.actor
+    return {"use_remove_padding": a.use_remove_padding, "use_dynamic_bsz": a.use_dynamic_bsz,
+            "log_prob_chunk_size": a.log_prob_chunk_size,
+            "ppo_max_token_len": a.ppo_max_token_len_per_gpu,
+            "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
+            "log_prob_max_token_len": a.log_prob_max_token_len_per_gpu,
+            "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu"}
 
 
 def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
-               micro_size: int) -> list[dict[str, float]]:
-    """One optimizer step per mini-batch (this rank's rows of it), accumulating over micro-batches.
+               micro_size: int, budget: tuple[int, str] | None = None) -> list[dict[str, float]]:
+    """One optimizer step per mini-batch (this rank's rows of it), accumulating over micro-batches of
+    ``micro_size`` rows, or of at most ``budget[0]`` tokens when a budget is given (dynamic batch size).
 
     Returns one metrics dict per step: the loss's metrics averaged over the mini-batch's tokens (on every
     rank, so the ranks return the same values), and
@@ -85,7 +192,7 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
         engine.zero_grad()
         sums: dict[str, float] = {}
         weight = 0.0
-        for mb in micro_batches(engine, mini, micro_size):
+        for _, mb in micro_batches(engine, mini, micro_size, budget):
             mb = engine.to_device(mb)
             outputs = engine.forward(mb, grad=True, entropy_grad=entropy_grad)
             loss, metrics = loss_fn(outputs, mb)

@@ -61,6 +61,8 @@ from rlx.plugins.backends.torch_local import (
     pick_device,
     resolve_dtype,
     restore_scheduler,
+    settings_of,
+    with_role_settings,
 )
 from rlx.protocols import RoleSpec
 
@@ -257,8 +259,10 @@ class FSDPWorker(TorchWorker):
         self.loss_scale = float(self.dp_size) if engine == "fsdp" else 1.0
         if engine == "fsdp2":
             self.model = self._build_fsdp2()
+            self._set_up_forward(self.model)
         else:
             self.model = self._build_fsdp1()
+            self._set_up_forward(self.model.module)  # the Hugging Face model inside the FSDP1 wrapper
         self._set_up_optimizer()
 
     # -- building --------------------------------------------------------------------------------
@@ -556,21 +560,22 @@ class FSDPWorker(TorchWorker):
 class FSDPBackend:
     """Builds :class:`FSDPWorker` s for roles; picklable so process launchers can ship it."""
 
-    def __init__(self, options: FSDP2Options | FSDPOptions, device: str, engine: Literal["fsdp2", "fsdp"]) -> None:
-        self.options, self.device, self.engine = options, device, engine
+    def __init__(self, options: FSDP2Options | FSDPOptions, device: str, engine: Literal["fsdp2", "fsdp"],
+                 settings: dict[str, dict[str, Any]] | None = None) -> None:
+        self.options, self.device, self.engine, self.settings = options, device, engine, settings or {}
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> FSDPWorker:
-        return FSDPWorker(spec, self.options, self.device, self.engine)
+        return FSDPWorker(with_role_settings(spec, self.settings), self.options, self.device, self.engine)
 
 
 def build_fsdp2(options: FSDP2Options | None, ctx: BuildContext) -> FSDPBackend:
     device = ctx.config.trainer.device if ctx.config is not None else "auto"
-    return FSDPBackend(options or FSDP2Options(), device, "fsdp2")
+    return FSDPBackend(options or FSDP2Options(), device, "fsdp2", settings_of(ctx))
 
 
 def build_fsdp(options: FSDPOptions | None, ctx: BuildContext) -> FSDPBackend:
     device = ctx.config.trainer.device if ctx.config is not None else "auto"
-    return FSDPBackend(options or FSDPOptions(), device, "fsdp")
+    return FSDPBackend(options or FSDPOptions(), device, "fsdp", settings_of(ctx))
 
 
 @hookimpl

@@ -7,6 +7,7 @@ backend builds on the same worker, sharding the model across processes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optim.pt"
+# Positions per chunk of the chunked head when a role's settings name none (actor.log_prob_chunk_size).
+DEFAULT_CHUNK_SIZE = 1024
 
 
 def rng_file(rank: int) -> str:
@@ -76,52 +79,256 @@ def lr_lambda(spec: RoleSpec):
     return f
 
 
-def _response_outputs(model: Any, batch: Batch) -> torch.Tensor:
-    """The model's outputs at the positions before each response token: (b, R, V) for a language
-    model, (b, R, 1) for a value model. Position t holds the state (prompt, response[:t])."""
+def _accepts(model: Any, name: str) -> bool:
+    """Whether ``model``'s forward takes the keyword ``name`` (checked on the class: a wrapper's forward
+    takes ``*args, **kwargs``)."""
+    import inspect
+
+    return name in inspect.signature(type(model).forward).parameters
+
+
+def supports_packing(model: Any) -> bool:
+    """Packed rows are kept apart by transformers' attention interface (a block-diagonal mask built from
+    restarting position ids, or the varlen kernels of flash-attention); a model on its own attention code
+    (remote code of an older design) would attend across the packed sequences."""
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+def fused_head_supported(model: Any) -> bool:
+    """The chunked head replaces ``lm_head`` itself; a model that transforms the logits after it (Gemma's
+    soft-capping, Cohere's and Granite's scaling) keeps the plain path."""
+    config = getattr(model, "config", None)
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            return False
+    return model.get_output_embeddings() is not None
+
+
+# Config fields of models whose forward changes the logits after lm_head.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def model_inputs(batch: Batch, packed: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The model's keyword inputs for ``batch`` and the indices (along the model's sequence axis) of the
+    positions whose outputs belong to the response tokens: position ``keep[j]`` predicts response token j
+    (padded: j of every row; packed: the j-th valid response token in row order).
+
+    Padded: (b, P+R) with an attention mask. Packed: the valid tokens of every row, prompt then response,
+    concatenated into one row (1, T) with position ids restarting at 0 per sequence and no attention mask,
+    which transformers reads as packed sequences (attention kept within each one).
+    """
     import torch
 
-    prompts, responses = batch["prompts"], batch["responses"]  # (b, P), (b, R)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)  # (b, P+R)
-    input_ids = torch.cat([prompts, responses], dim=1)
+    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
+    input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)  # (b, P+R)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                   use_cache=False).logits
-    p, r = prompts.shape[1], responses.shape[1]
-    return logits[:, p - 1:p + r - 1].float()
+    p, r = prompt_mask.shape[1], response_mask.shape[1]
+    if not packed:
+        keep = torch.arange(p - 1, p + r - 1, device=input_ids.device)
+        return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}, keep
+    valid = mask.bool()
+    if len(batch) and not bool(prompt_mask.bool().any(-1).all()):
+        raise ValueError("a row has no prompt token: its first response token has no position to be predicted from")
+    # Index of every valid token in the packed row; a response token is predicted by the token before it,
+    # which is in the same sequence because every sequence starts with its prompt.
+    packed_index = valid.flatten().cumsum(0).view_as(valid) - 1
+    keep = packed_index[:, p:][response_mask.bool()] - 1
+    return {"input_ids": input_ids[valid][None], "position_ids": position_ids[valid][None]}, keep
+
+
+def unpack(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values of the valid response tokens (n, ...) in row order -> (b, R, ...), 0 at padding."""
+    out = values.new_zeros(tuple(response_mask.shape) + tuple(values.shape[1:]))
+    out[response_mask.bool()] = values
+    return out
+
+
+def _head_compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on (a float32 master model on a GPU),
+    else the weight's (bf16 under FSDP's mixed precision or for a frozen bf16 model, float32 on a CPU)."""
+    import torch
+
+    kind = weight.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  temperature: float) -> torch.Tensor:
+    """float32 logits / temperature of a chunk of positions, the matmul in the weight's dtype."""
+    import torch.nn.functional as F
+
+    return F.linear(hidden.to(weight.dtype), weight, bias).float() / temperature
+
+
+def _make_chunked_head() -> type:
+    import torch
+
+    class ChunkedHead(torch.autograd.Function):
+        """The chosen tokens' log-probs and the entropies from ``lm_head``, ``chunk`` positions at a time.
+
+        Forward keeps only per-position numbers (log-sum-exp, entropy); backward recomputes each chunk's
+        logits and turns them into gradients for the hidden states and the head's weight at once, so no
+        (positions x vocabulary) tensor outlives its chunk, in either direction.
+        """
+
+        @staticmethod
+        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ctx.set_materialize_grads(False)
+            dtype = _head_compute_dtype(weight)
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            n = hidden.shape[0]
+            log_probs = hidden.new_empty(n, dtype=torch.float32)
+            entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)
+            for s in range(0, n, chunk):
+                z = _chunk_logits(hidden[s:s + chunk], w, b, temperature)  # (c, V) float32
+                lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+                log_probs[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+                z.sub_(lse[s:s + chunk, None])  # log-softmax, in place
+                entropy[s:s + chunk] = -(z.exp() * z).sum(-1)
+            ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+            ctx.dtype, ctx.temperature, ctx.chunk = dtype, temperature, chunk
+            return log_probs, entropy
+
+        @staticmethod
+        def backward(ctx: Any, grad_lp: torch.Tensor | None, grad_ent: torch.Tensor | None) -> tuple[Any, ...]:
+            hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+            need_h, need_w, need_b = ctx.needs_input_grad[:3]
+            if grad_lp is None and grad_ent is None:
+                return None, None, None, None, None, None
+            w = weight.to(ctx.dtype)
+            b = bias.to(ctx.dtype) if bias is not None else None
+            d_hidden = torch.empty_like(hidden) if need_h else None
+            d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+            d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                h = hidden[s:s + ctx.chunk]
+                logp = _chunk_logits(h, w, b, ctx.temperature).sub_(lse[s:s + ctx.chunk, None])  # (c, V)
+                p = logp.exp()
+                # d logp_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
+                dz = torch.zeros_like(p)
+                if grad_ent is not None:
+                    dz -= grad_ent[s:s + ctx.chunk, None] * p * (logp + entropy[s:s + ctx.chunk, None])
+                if grad_lp is not None:
+                    g = grad_lp[s:s + ctx.chunk, None]
+                    dz -= g * p
+                    dz.scatter_add_(-1, targets[s:s + ctx.chunk, None], g)
+                dz = (dz / ctx.temperature).to(ctx.dtype)
+                if d_hidden is not None:
+                    d_hidden[s:s + ctx.chunk] = (dz @ w).to(hidden.dtype)
+                if d_weight is not None:
+                    d_weight += (dz.t() @ h.to(ctx.dtype)).float()
+                if d_bias is not None:
+                    d_bias += dz.float().sum(0)
+            return (d_hidden, d_weight.to(weight.dtype) if d_weight is not None else None,
+                    d_bias.to(bias.dtype) if d_bias is not None else None, None, None, None)
+
+    return ChunkedHead
+
+
+_CHUNKED_HEAD: Any = None
+
+
+def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                 temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies (n,), float32, from hidden states (n, H) and a head (V, H):
+    logits are formed ``chunk`` positions at a time in the compute dtype, reduced in float32."""
+    global _CHUNKED_HEAD
+    if _CHUNKED_HEAD is None:
+        _CHUNKED_HEAD = _make_chunked_head()
+    return _CHUNKED_HEAD.apply(hidden, weight, bias, targets, temperature, chunk)
+
+
+@contextlib.contextmanager
+def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: int) -> Iterator[None]:
+    """While inside, ``head`` (the model's ``lm_head``) computes no logits: its output is
+    :func:`chunked_head`'s log-probs and entropies stacked on the last axis, (..., 2), which the model
+    returns as its ``logits``. Both run inside the model's own forward, where FSDP has gathered the head's
+    weight, and the result is the model's output, on which FSDP hooks the gathering for backward."""
+    import torch
+
+    inputs: list[torch.Tensor] = []
+
+    def before(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        inputs.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    def after(module: Any, args: tuple[Any, ...], output: Any) -> torch.Tensor:
+        hidden = inputs.pop()
+        lp, ent = chunked_head(hidden.reshape(-1, hidden.shape[-1]), module.weight, module.bias,
+                               targets.reshape(-1), temperature, chunk)
+        return torch.stack([lp, ent], dim=-1).view(*hidden.shape[:-1], 2)
+
+    handles = [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool,
-                       entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature).
+                       entropy_grad: bool = True, *, packed: bool = False, chunk_size: int = 0,
+                       hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature), 0 at padding.
 
-    With ``entropy_grad=False`` the entropy is only a metric: it is computed outside the autograd
-    graph, which then keeps no (b, R, V) intermediates for it.
+    Only the positions that predict response tokens reach the head. ``packed``: the rows go through the
+    model as one packed row (see :func:`model_inputs`). ``chunk_size`` > 0: log-probs and entropies come
+    from :func:`chunked_head` (no float32 copy of the (positions x vocabulary) logits); 0: from the
+    logits in float32. ``hf_model`` is the Hugging Face model when ``model`` wraps it (FSDP1).
+    With ``entropy_grad=False`` the entropy is only a metric: it is kept out of the autograd graph.
     """
     import torch
 
     from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
 
-    responses = batch["responses"]  # (b, R)
-    logits = _response_outputs(model, batch)  # (b, R, V): position t predicts response token t
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    log_probs = log_probs_from_logits(logits, responses)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return log_probs, entropy
+    hf = model if hf_model is None else hf_model
+    mask = batch["response_mask"].bool()
+    inputs, keep = model_inputs(batch, packed)
+    targets = batch["responses"][mask][None] if packed else batch["responses"]  # (1, n) or (b, R)
+    keep_kwarg = _accepts(hf, "logits_to_keep")
+    if keep_kwarg:
+        inputs["logits_to_keep"] = keep
+    entropy: torch.Tensor | None
+    if chunk_size and keep_kwarg and fused_head_supported(hf):
+        with _head_replaced(hf.get_output_embeddings(), targets, temperature or 1.0, chunk_size):
+            both = model(**inputs, use_cache=False).logits  # (b, R, 2) or (1, n, 2)
+        log_probs, entropy = both[..., 0], both[..., 1]
+        if not with_entropy:
+            entropy = None
+        elif not entropy_grad:
+            entropy = entropy.detach()
+    else:
+        logits = model(**inputs, use_cache=False).logits
+        logits = (logits if keep_kwarg else logits[:, keep]).float()  # (b, R, V) or (1, n, V)
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        log_probs = log_probs_from_logits(logits, targets)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return _per_row(log_probs, mask, packed), (_per_row(entropy, mask, packed) if entropy is not None else None)
 
 
-def response_values(model: Any, batch: Batch) -> torch.Tensor:
-    """Values (b, R) of a value model; values[:, t] scores the state before response token t.
-    Padding is 0."""
+def _per_row(values: torch.Tensor, mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """(b, R) with 0 at padding, from the padded (b, R) or packed (1, n) outputs."""
     import torch
 
-    values = _response_outputs(model, batch).squeeze(-1)  # (b, R)
-    return torch.where(batch["response_mask"].bool(), values, torch.zeros((), dtype=values.dtype,
-                                                                           device=values.device))
+    if packed:
+        return unpack(values[0], mask)
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def response_values(model: Any, batch: Batch, *, packed: bool = False) -> torch.Tensor:
+    """Values (b, R) of a value model; values[:, t] scores the state before response token t.
+    Padding is 0."""
+    inputs, keep = model_inputs(batch, packed)
+    values = model(**inputs, use_cache=False).logits[:, keep].squeeze(-1)  # (b, R) or (1, n)
+    return _per_row(values, batch["response_mask"].bool(), packed)
 
 
 def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> Any:
@@ -180,7 +387,21 @@ class TorchWorker:
         self.autocast = spec.trainable and self.device != "cpu" and self.compute_dtype != torch.float32
         if spec.trainable and spec.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self._set_up_forward(self.model)
         self._set_up_optimizer()
+
+    def _set_up_forward(self, hf_model: Any) -> None:
+        """How this role's forward passes run (``spec.extra``, see :func:`role_settings`): packed rows,
+        the chunked head, and micro-batches cut by a token budget."""
+        extra = self.spec.extra
+        self.hf_model = hf_model
+        self.packed = bool(extra.get("use_remove_padding", True)) and supports_packing(hf_model)
+        self.chunk_size = int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
+        dynamic = bool(extra.get("use_dynamic_bsz", False))
+        self.update_budget = (int(extra["ppo_max_token_len"]), str(extra["ppo_max_token_len_option"])) \
+            if dynamic else None
+        self.forward_budget = (int(extra["log_prob_max_token_len"]), str(extra["log_prob_max_token_len_option"])) \
+            if dynamic else None
 
     def _set_up_optimizer(self) -> None:
         """AdamW and the learning-rate schedule for a trainable role; a frozen one gets no gradients."""
@@ -229,11 +450,21 @@ class TorchWorker:
 
         with self._precision(), (contextlib.nullcontext() if grad else torch.no_grad()):
             if self.spec.value_head:
-                return {"values": response_values(self.model, micro).float()}
-            temperature = float(micro.meta.get("temperature", 1.0))
-            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
-                                                    entropy_grad=entropy_grad)
-            return {"log_probs": log_probs, "entropy": entropy}
+                return {"values": self._values(micro)}
+            return self._log_probs(micro, float(micro.meta.get("temperature", 1.0)), True, entropy_grad)
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        return response_values(self.model, micro, packed=self.packed).float()
+
+    def _log_probs(self, micro: Batch, temperature: float, with_entropy: bool,
+                   entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+        log_probs, entropy = response_log_probs(
+            self.model, micro, temperature, with_entropy, entropy_grad, packed=self.packed,
+            chunk_size=self.chunk_size, hf_model=self.hf_model)
+        out = {"log_probs": log_probs}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -270,13 +501,15 @@ class TorchWorker:
         return float(grad_norm), applied, lr
 
     # -- inference --------------------------------------------------------------------------
-    def _forward_no_grad(self, batch: Batch, fn: Any) -> list[Any]:
-        """``fn(micro_batch)`` over the batch in micro-batches, without gradients, in eval mode.
+    def _forward_no_grad(self, batch: Batch, fn: Any) -> Batch:
+        """``fn(micro_batch) -> {name: (b, ...) tensor}`` over the batch in micro-batches (rows or a token
+        budget), without gradients, in eval mode; the outputs in the batch's row order, on the CPU.
 
         Eval mode: a model configured with dropout must still score each token deterministically.
         """
         import torch
 
+        from rlx.batch import Batch
         from rlx.training import run_forward
 
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
@@ -284,32 +517,20 @@ class TorchWorker:
         self.model.eval()
         try:
             with torch.no_grad(), self._precision():
-                return run_forward(self, batch, size, fn)
+                return Batch(run_forward(self, batch, size, lambda mb: {k: v.cpu() for k, v in fn(mb).items()},
+                                         budget=self.forward_budget))
         finally:
             self.model.train(was_training)
 
     def compute_values(self, batch: Batch) -> Batch:
         """Critic values (B, R) of the states before each response token; 0 at padding."""
-        import torch
-
-        from rlx.batch import Batch
-
         assert self.spec.value_head, f"role {self.spec.role} has no value head"
-        out = self._forward_no_grad(batch, lambda mb: response_values(self.model, mb).float().cpu())
-        return Batch({"values": torch.cat(out)})
+        return self._forward_no_grad(batch, lambda mb: {"values": self._values(mb)})
 
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        import torch
-
-        from rlx.batch import Batch
-
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
         temperature = float(batch.meta.get("temperature", 1.0))
-        out = self._forward_no_grad(batch, lambda mb: response_log_probs(self.model, mb, temperature, with_entropy))
-        tensors = {"log_probs": torch.cat([lp for lp, _ in out]).cpu()}
-        if with_entropy:
-            tensors["entropy"] = torch.cat([ent for _, ent in out]).cpu()
-        return Batch(tensors)
+        return self._forward_no_grad(batch, lambda mb: self._log_probs(mb, temperature, with_entropy))
 
     # -- training ---------------------------------------------------------------------------
     def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
@@ -317,7 +538,7 @@ class TorchWorker:
         from rlx.training import run_update
 
         self.model.train()
-        return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size)
+        return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (a mini-batch), accumulating over micro-batches."""
@@ -393,19 +614,33 @@ class TorchWorker:
             tokenizer.save_pretrained(path)
 
 
+def with_role_settings(spec: RoleSpec, settings: dict[str, dict[str, Any]]) -> RoleSpec:
+    """``spec`` with its role's forward-pass settings (``rlx.training.role_settings``) under its own extras."""
+    import dataclasses
+
+    return dataclasses.replace(spec, extra={**settings.get(spec.role, {}), **spec.extra})
+
+
+def settings_of(ctx: BuildContext) -> dict[str, dict[str, Any]]:
+    from rlx.training import role_settings
+
+    return {role: role_settings(ctx.config, role) for role in ("actor", "ref", "critic")}
+
+
 class TorchBackend:
     """Builds :class:`TorchWorker` s for roles; picklable so process launchers can ship it."""
 
-    def __init__(self, options: TorchBackendOptions, device: str) -> None:
-        self.options, self.device = options, device
+    def __init__(self, options: TorchBackendOptions, device: str,
+                 settings: dict[str, dict[str, Any]] | None = None) -> None:
+        self.options, self.device, self.settings = options, device, settings or {}
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> TorchWorker:
-        return TorchWorker(spec, self.options, self.device, rank, world_size)
+        return TorchWorker(with_role_settings(spec, self.settings), self.options, self.device, rank, world_size)
 
 
 def build(options: TorchBackendOptions | None, ctx: BuildContext) -> TorchBackend:
     device = ctx.config.trainer.device if ctx.config is not None else "auto"
-    return TorchBackend(options or TorchBackendOptions(), device)
+    return TorchBackend(options or TorchBackendOptions(), device, settings_of(ctx))
 
 
 @hookimpl
