@@ -1,8 +1,12 @@
-"""The ``hf`` rollout engine: batched sampling with Hugging Face ``generate``.
+"""The ``hf`` rollout engine: batched sampling with a Hugging Face model's own forward pass.
 
 It holds its own copy of the policy, as vLLM or SGLang would, and takes new weights through
 :meth:`HFRollout.update_weights`. Log-probs are those of the sampling distribution (after
-temperature, top-k and top-p), so they can be compared with the actor's own.
+temperature, top-k and top-p), so they can be compared with the actor's own; each is taken at its
+step, so no full-vocabulary scores are kept.
+
+On a GPU the engine decodes with a static KV cache and the decode step recorded in a CUDA graph
+(``hf_static``); elsewhere, or with ``decoder=dynamic``, it steps the model with its dynamic cache.
 """
 
 from __future__ import annotations
@@ -28,6 +32,20 @@ class HFRolloutOptions(BaseModel):
         "auto", description="Weights dtype for generation (auto: float32 on CPU, bfloat16 on GPU).")
     micro_batch_size: int = Field(64, gt=0, le=2**20, description="Sequences per generate call.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    decoder: Literal["auto", "static", "dynamic"] = Field(
+        "auto", description="KV cache: static (preallocated; with cuda_graph, one recorded decode step) or dynamic "
+        "(grows per step). auto: static on a GPU, dynamic on the CPU.")
+    cuda_graph: bool = Field(True, description="On a GPU, replay the static decode step as one CUDA graph.")
+    compile: Literal["off", "default", "max-autotune"] = Field(
+        "default", description="torch.compile the static decode step before it is recorded (a GPU only): "
+        "faster steps for a compilation of tens of seconds per shape; max-autotune also tunes matmul kernels "
+        "(minutes).")
+    free_on_sleep: bool = Field(
+        False, description="On a GPU, sleep moves the weights to host memory and drops the static caches and "
+        "graphs (recorded, and compiled, again at the next generate): for weights and caches that training needs "
+        "room for. Off: sleep keeps them on the GPU, and waking up costs nothing.")
+    prompt_bucket: int = Field(64, gt=0, le=2**16, description="The static path pads prompts to a multiple of "
+                               "this many tokens, so that batches of similar prompts share a cache and a graph.")
 
 
 class HFRollout:
@@ -46,18 +64,32 @@ class HFRollout:
             attn_implementation=options.attn_implementation,
         ).to(self.device).eval()
         self.model.requires_grad_(False)
-        # Sample exactly as SamplingParams say: a model folder's generation_config.json may carry
-        # sampling defaults (repetition_penalty, top_k, ...) that generate() would apply on top of
-        # ours, so the responses would not come from the policy the actor trains.
-        from transformers import GenerationConfig
-
-        self.model.generation_config = GenerationConfig(
-            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=eos_token_ids,
-            pad_token_id=pad_token_id)
+        # The decode loops read SamplingParams alone: sampling defaults in a model folder's
+        # generation_config.json (repetition_penalty, top_k, ...) never apply, so the responses come from
+        # the policy the actor trains.
         self.options = options
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
         self.weight_version = 0
+        self.static = self._static_engine()
+
+    def _static_engine(self) -> Any:
+        import warnings
+
+        from rlx.plugins.rollout.hf_static import StaticEngine, supports_static
+
+        o = self.options
+        on_gpu = self.device.startswith("cuda")
+        if o.decoder == "dynamic" or (o.decoder == "auto" and not on_gpu):
+            return None
+        why_not = supports_static(self.model)
+        if why_not is not None:
+            warnings.warn(f"The hf engine's static decoder does not handle {why_not}: it decodes with a dynamic "
+                          "cache instead.", RuntimeWarning, stacklevel=3)
+            return None
+        graph = o.cuda_graph and on_gpu
+        return StaticEngine(self.model, self.pad_token_id, use_graph=graph,
+                            compile_mode=o.compile if on_gpu else "off", prompt_bucket=o.prompt_bucket)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         from rlx.batch import concat_rollouts
@@ -73,27 +105,18 @@ class HFRollout:
         import torch
 
         from rlx.batch import Batch
+        from rlx.plugins.rollout.hf_sampling import Sampler, decode_dynamic
 
         input_ids = batch["input_ids"].to(self.device)  # (b, P), left-padded
         attention_mask = batch["attention_mask"].to(self.device)
-        sample = not params.greedy and params.temperature > 0
-        kwargs: dict[str, Any] = {"do_sample": sample}
-        if sample:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k if params.top_k > 0 else 0)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
+        sampler = Sampler.from_params(params)
         stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=params.max_tokens,
-                eos_token_id=stop, pad_token_id=self.pad_token_id, output_scores=True,
-                return_dict_in_generate=True, **kwargs,
-            )
-        responses = out.sequences[:, input_ids.shape[1]:]  # (b, R)
-        # scores are the processed logits each token was sampled from: (R,) x (b, V)
-        scores = torch.stack(out.scores, dim=1).float()
-        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+            if self.static is not None:
+                responses, log_probs = self.static.generate(input_ids, attention_mask, sampler, params.max_tokens, stop)
+            else:
+                responses, log_probs = decode_dynamic(self.model, input_ids, attention_mask, sampler,
+                                                      params.max_tokens, torch.tensor(stop, device=self.device))
         is_stop = torch.isin(responses, torch.tensor(stop, device=responses.device))
         # A response ends at (and includes) its first stop token.
         ended_before = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
@@ -127,18 +150,22 @@ class HFRollout:
         self.weight_version += 1
 
     def sleep(self) -> None:
-        """Nothing to free on the CPU; on a GPU the weights move to host memory."""
-        if self.device != "cpu":
+        """Nothing to free on the CPU. On a GPU, with ``free_on_sleep``, the weights move to host memory and
+        the static caches and graphs are dropped (the graphs hold the weights' old addresses)."""
+        if self.device != "cpu" and self.options.free_on_sleep:
             import torch
 
+            if self.static is not None:
+                self.static.clear()
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        if self.device != "cpu":
+        if self.device != "cpu" and self.options.free_on_sleep:
             self.model.to(self.device)
 
     def close(self) -> None:
+        self.static = None
         self.model = None
 
 
@@ -157,4 +184,4 @@ def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
 @hookimpl
 def rlx_rollout_engines() -> list[Component]:
     return [Component(kind="rollout", name="hf", factory=build, config_model=HFRolloutOptions,
-                      summary="Hugging Face generate: batched sampling, no extra dependency.")]
+                      summary="Hugging Face models: static-cache, CUDA-graph decoding on a GPU; no extra dependency.")]

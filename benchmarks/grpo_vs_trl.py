@@ -1,0 +1,317 @@
+"""One GRPO step of rlx against TRL's ``GRPOTrainer``, side by side in one process on one GPU (issue 9).
+
+The work: a model of Qwen2.5-0.5B's shape and vocabulary (24 layers, hidden 896, 14 heads, 2 KV heads,
+151,936 tokens) with random bf16 weights, 8 prompts of 214 tokens x 8 samples = 64 responses of 256 tokens,
+one optimizer step per batch of rollouts, no KL term (TRL's default beta=0). The tokenizer is a word-level
+one with the same vocabulary size (no download), so both frameworks see the same token counts. Random
+weights rarely produce the end token, so every response runs to 256 tokens.
+
+    pip install trl                     # TRL and its dependencies (datasets)
+    python benchmarks/grpo_vs_trl.py OUT_DIR [--steps 5] [--parts gen,rlx,trl] [rlx dotted overrides...]
+
+Prints, from one run: each framework's seconds per step (mean of the steps after the first), their ratio,
+rlx's stage breakdown (its timing/* metrics), the peak GPU memory of each, the time to generate the 64 x 256
+tokens with rlx's engine (static cache + CUDA graph) against transformers' own static cache + torch.compile
+``generate``, the agreement of the sampled tokens' log-probs with the training forward pass (fast and
+plain decoders), and the time to load new weights into the engine. Everything printed is also written to
+OUT_DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS, RESPONSE_TOKENS, PROMPTS, SAMPLES = 214, 256, 8, 8
+VOCAB = 151_936
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+REWARD_FILE = '''
+def compute_score(response):
+    """Any cheap score that differs between responses (the model has random weights)."""
+    return (sum(map(ord, response)) % 97) / 97.0
+'''
+RESULTS: dict[str, Any] = {}
+
+
+def record(key: str, value: Any) -> None:
+    RESULTS[key] = value
+    print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}", flush=True)
+
+
+def build_model(path: Path, tokenizer_path: Path) -> None:
+    """A Qwen2.5-0.5B-shaped model with random weights, and a word-level tokenizer of the same vocabulary in
+    a folder of its own (next to a Qwen2 config, AutoTokenizer would load it as Qwen2's byte-level BPE)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    words = {f"w{i}": i for i in range(VOCAB - 2)}
+    words.update({"<|pad|>": VOCAB - 2, "<|end|>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
+                         bos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    fast.save_pretrained(tokenizer_path)
+
+
+def prompt_texts(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
+
+
+def write_data(out: Path, texts: list[str]) -> Path:
+    import pandas as pd
+
+    rows = [{"prompt": [{"role": "user", "content": t}], "data_source": "bench",
+             "reward_model": {"ground_truth": "0", "style": "rule"}, "extra_info": {"index": i}}
+            for i, t in enumerate(texts)]
+    path = out / "train.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def peak_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def fresh_peak() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def timed(fn: Any) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+# -- generation -----------------------------------------------------------------------------------------
+def prompt_batch(tok: Any, texts: list[str]) -> Any:
+    from rlx.data import PromptExample, collate
+
+    examples = []
+    for i, t in enumerate(texts):
+        ids = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert len(ids) == PROMPT_TOKENS, len(ids)
+        examples.append(PromptExample(list(ids), t, "bench", "0", {"index": i}))
+    return collate(examples, tok.pad_token_id)
+
+
+def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str]) -> None:
+    """rlx's engine (each compile mode, and the plain dynamic-cache loop) against transformers' static cache +
+    torch.compile ``generate``, on the same 64 x 256 tokens; log-prob agreement with the training forward."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlx.plugins.backends.torch_local import response_log_probs
+    from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+    from rlx.protocols import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    prompts = prompt_batch(tok, prompt_texts(PROMPTS, seed=1))
+    params = SamplingParams(n=SAMPLES, max_tokens=RESPONSE_TOKENS)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+    def agreement(out: Any) -> float:
+        with torch.no_grad():
+            lp, _ = response_log_probs(reference, out.to("cuda"), 1.0, with_entropy=False)
+        mask = out["response_mask"].bool().cuda()
+        return float((lp - out["rollout_log_probs"].cuda()).abs()[mask].mean())
+
+    variants = [("static", {"compile": mode}) for mode in compile_modes] + [("dynamic", {"decoder": "dynamic"})]
+    for name, options in variants:
+        label = f"gen/rlx_{name}" + (f"_{options['compile']}" if "compile" in options else "")
+        try:
+            fresh_peak()
+            engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512, **options), "cuda",
+                               [tok.eos_token_id], tok.pad_token_id)
+            first = timed(lambda e=engine: e.generate(prompts, params))
+            record(f"{label}/first_call_s", first)
+            times = [timed(lambda e=engine: e.generate(prompts, params)) for _ in range(1 if name == "dynamic" else 3)]
+            record(f"{label}/s", min(times))
+            record(f"{label}/ms_per_token_step", 1000 * min(times) / RESPONSE_TOKENS)
+            torch.manual_seed(3)
+            out = engine.generate(prompts, params)
+            record(f"{label}/response_tokens", int(out["response_mask"].sum()))
+            record(f"{label}/log_prob_abs_diff_vs_training_forward", agreement(out))
+            record(f"{label}/peak_gib", peak_gib())
+            state = list(reference.state_dict().items())
+            record(f"{label}/update_weights_s", timed(lambda e=engine, s=state: e.update_weights(s)))
+            engine.close()
+            del engine
+        except Exception:
+            traceback.print_exc()
+            record(f"{label}/error", traceback.format_exc(limit=2).splitlines()[-1])
+
+    # transformers' own path: static cache, the decode step compiled by generate itself
+    try:
+        fresh_peak()
+        ids = prompts["input_ids"].repeat_interleave(SAMPLES, 0).cuda()
+        mask = prompts["attention_mask"].repeat_interleave(SAMPLES, 0).cuda()
+        kwargs = {"max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS, "do_sample": True,
+                  "cache_implementation": "static", "pad_token_id": tok.pad_token_id, "top_k": 0, "top_p": 1.0}
+        with torch.no_grad():
+            first = timed(lambda: reference.generate(input_ids=ids, attention_mask=mask, **kwargs))
+            record("gen/transformers_static_compile/first_call_s", first)
+            times = [timed(lambda: reference.generate(input_ids=ids, attention_mask=mask, **kwargs)) for _ in range(3)]
+        record("gen/transformers_static_compile/s", min(times))
+        record("gen/transformers_static_compile/ms_per_token_step", 1000 * min(times) / RESPONSE_TOKENS)
+        record("gen/transformers_static_compile/peak_gib", peak_gib())
+    except Exception:
+        traceback.print_exc()
+        record("gen/transformers_static_compile/error", traceback.format_exc(limit=2).splitlines()[-1])
+
+
+# -- GRPO steps -----------------------------------------------------------------------------------------
+def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str]) -> None:
+    from rlx.registry import get_plugin_manager
+    from rlx.trainer import Trainer
+    from rlx.validate import load_config
+
+    reward = out / "reward.py"
+    reward.write_text(REWARD_FILE)
+    run_dir = out / "rlx_run"
+    overrides = [
+        f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}", "model.dtype=bfloat16", "trainer.device=cuda",
+        "backend.num_threads=4",
+        f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_prompt_length={PROMPT_TOKENS}",
+        f"data.max_response_length={RESPONSE_TOKENS}", f"data.train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
+        "rollout.micro_batch_size=512", f"actor.ppo_mini_batch_size={PROMPTS}", "actor.ppo_epochs=1",
+        "actor.micro_batch_size_per_device=16", "actor.log_prob_micro_batch_size_per_device=32",
+        "actor.optim.lr=1e-6", "actor.optim.weight_decay=0.0", "algorithm.name=grpo", "algorithm.use_kl_loss=false",
+        "algorithm.kl_loss_coef=0.0", "reward.name=custom", f"reward.path={reward}",
+        f"trainer.total_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=0", "trainer.save_hf_model=false",
+        "trainer.loggers=[jsonl]", f"trainer.output_dir={run_dir}", *extra,
+    ]
+    print("rlx overrides: " + " ".join(overrides), flush=True)
+    pm = get_plugin_manager()
+    fresh_peak()
+    start = time.perf_counter()
+    Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
+    record("rlx/wall_s", time.perf_counter() - start)
+    record("rlx/peak_gib", peak_gib())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        print(f"  rlx step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
+                                                  if k.startswith("timing/")), flush=True)
+    steady = rows[1:] or rows
+    for key in sorted({k for r in steady for k in r if k.startswith(("timing/", "perf/"))}):
+        record(f"rlx/{key}", sum(r.get(key, 0.0) for r in steady) / len(steady))
+    record("rlx/response_length_mean", sum(r["response_length/mean"] for r in steady) / len(steady))
+
+
+def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps: int) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    namespace: dict[str, Any] = {}
+    exec(REWARD_FILE, namespace)  # the same score as rlx's custom reward
+    score = namespace["compute_score"]
+
+    def reward(completions: list[Any], **_: Any) -> list[float]:
+        return [score(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
+    config = GRPOConfig(
+        output_dir=str(out / "trl_run"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
+        num_generations=SAMPLES, max_completion_length=RESPONSE_TOKENS, steps_per_generation=1, num_iterations=1,
+        learning_rate=1e-6, beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
+        bf16=True, use_vllm=False, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
+    timer = StepTimes()
+    fresh_peak()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tok, callbacks=[timer])
+    start = time.perf_counter()
+    trainer.train()
+    record("trl/wall_s", time.perf_counter() - start)
+    record("trl/peak_gib", peak_gib())
+    print("  trl step times: " + ", ".join(f"{t:.3g}" for t in timer.times), flush=True)
+    steady = timer.times[1:] or timer.times
+    record("trl/timing/step", sum(steady) / len(steady))
+    record("trl/gradient_checkpointing", bool(config.gradient_checkpointing))
+    del trainer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up).")
+    ap.add_argument("--parts", default="gen,rlx,trl", help="Comma-separated: gen, rlx, trl.")
+    ap.add_argument("--compile-modes", default="off,default", help="rlx engine compile modes timed in 'gen'.")
+    ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
+    args = ap.parse_args()
+    import torch
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    record("versions", f"torch {torch.__version__}, transformers {transformers.__version__}, "
+                       f"GPU {torch.cuda.get_device_name()}")
+    model_dir, tok_dir = args.out / "model", args.out / "tokenizer"
+    if not (model_dir / "config.json").exists() or not (tok_dir / "tokenizer.json").exists():
+        build_model(model_dir, tok_dir)
+    texts = prompt_texts(PROMPTS * args.steps)
+    data = write_data(args.out, texts)
+    sections = [("gen", lambda: bench_generation(model_dir, tok_dir, args.compile_modes.split(","))),
+                ("rlx", lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides)),
+                ("trl", lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps))]
+    for name, fn in sections:
+        if name not in parts:
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+            record(f"{name}/error", traceback.format_exc(limit=3).splitlines()[-1])
+        fresh_peak()
+    if "rlx/timing/step" in RESULTS and "trl/timing/step" in RESULTS:
+        record("trl_over_rlx_step_time", RESULTS["trl/timing/step"] / RESULTS["rlx/timing/step"])
+    (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+    print(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The ``hf`` engine's static decoder (``hf_static``): on the CPU it runs without a CUDA graph, which checks
+its cache, masks, positions, padding buckets and in-step sampling; on a GPU the graph replay must give what
+the same steps give unrecorded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_contract import check_first_token_distribution, check_stops_and_length, next_token_logits
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlx.batch import Batch
+from rlx.data import PromptExample, collate
+from rlx.plugins.backends.torch_local import response_log_probs
+from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+from rlx.plugins.rollout.hf_sampling import Sampler
+from rlx.protocols import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """The tiny model runs on one thread."""
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_path, tmp_path_factory):
+    """The tiny architecture with larger random weights: peaked, prompt-dependent distributions and responses
+    that rarely stop by themselves."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    torch.manual_seed(1234)
+    model = type(base)(base.config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp("fast_model")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder), tok
+
+
+def engine(policy, device: str = "cpu", **options) -> HFRollout:
+    folder, tok = policy
+    return HFRollout(folder, HFRolloutOptions(**options), device, [tok.eos_token_id], tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def static(policy) -> HFRollout:
+    return engine(policy, decoder="static", prompt_bucket=8)
+
+
+@pytest.fixture(scope="module")
+def dynamic(policy) -> HFRollout:
+    return engine(policy, decoder="dynamic")
+
+
+@pytest.fixture(scope="module")
+def prompts(policy) -> Batch:
+    """Three prompts of different lengths, one longer than the bucket of 8 (so the bucket pads it to 16)."""
+    tok = policy[1]
+    ids = [[11, 23, 37, 5, 8, 9, 30, 31, 12, 13], [42, 17], [3, 4, 5, 6, 7]]
+    return collate([PromptExample(x, tok.decode(x), "s", str(i), {}) for i, x in enumerate(ids)], tok.pad_token_id)
+
+
+def run(rollout: HFRollout, prompts: Batch, seed: int = 0, **params) -> Batch:
+    torch.manual_seed(seed)
+    return rollout.generate(prompts, SamplingParams(**params))
+
+
+def test_auto_is_dynamic_on_the_cpu(policy, static):
+    assert engine(policy).static is None
+    assert static.static is not None and not static.static.use_graph
+
+
+def test_greedy_matches_the_dynamic_decoder(static, dynamic, prompts):
+    """Bucketed, left-padded prompts and batch rows padded to 8 decode exactly as the unpadded dynamic cache."""
+    a = run(static, prompts, n=2, max_tokens=9, greedy=True)
+    b = run(dynamic, prompts, n=2, max_tokens=9, greedy=True)
+    assert torch.equal(a["responses"], b["responses"]) and torch.equal(a["response_mask"], b["response_mask"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=0)
+    assert len(set(map(tuple, a["responses"].tolist()))) == 3  # the prompts' decodes differ
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_log_probs_match_training_forward(policy, prompts, attn, temperature, top_p):
+    """The log-probs each step records are the training forward pass's (at full top_p, where the sampling
+    distribution is the policy's), and tokens the nucleus drops are never drawn."""
+    rollout = engine(policy, decoder="static", prompt_bucket=8, attn_implementation=attn)
+    out = run(rollout, prompts, seed=3, n=3, max_tokens=12, temperature=temperature, top_p=top_p,
+              stop_token_ids=(5, 17, 33))
+    mask = out["response_mask"].bool()
+    assert mask.sum(-1).min() < 12 <= mask.sum(-1).max()  # some rows stopped early, some ran to the end
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out, temperature, with_entropy=False)
+    if top_p == 1.0:
+        torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+    else:  # renormalised over the nucleus: never below the policy's own log-prob
+        assert bool((out["rollout_log_probs"][mask] >= lp[mask] - 1e-5).all())
+    assert bool((out["rollout_log_probs"][~mask] == 0).all())
+
+
+@pytest.fixture(scope="module")
+def logits(static, prompts) -> torch.Tensor:
+    return next_token_logits(static.model, prompts)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=3000, temperature=0.8),
+                                    SamplingParams(n=3000, temperature=1.3, top_k=5, top_p=0.8)])
+def test_first_token_distribution(static, prompts, logits, params):
+    check_first_token_distribution(static, prompts, logits, params, seed=5)
+
+
+def test_stops_and_length(static, prompts, logits, policy):
+    stop = {int(logits[0].argmax()), int(logits[1].argmax())}
+    params = SamplingParams(n=300, max_tokens=5, stop_token_ids=tuple(sorted(stop)))
+    check_stops_and_length(static, prompts, logits, params, stop | {policy[1].eos_token_id})
+
+
+def test_stopped_rows_end_the_loop_early(static, dynamic, prompts):
+    """When every row has stopped, decoding ends at the next look (every 16 steps), not at max_tokens, and
+    the responses are those of the unstopped decode cut after their first stop token."""
+    free = run(dynamic, prompts, n=1, max_tokens=40, greedy=True)
+    stop = tuple(sorted(set(free["responses"][:, 2].tolist())))  # every row stops by its third token
+    out = run(static, prompts, n=1, max_tokens=40, greedy=True, stop_token_ids=stop)
+    assert out["responses"].shape[1] == 16
+    for row, lengths in enumerate(out["response_mask"].sum(-1).tolist()):
+        want = free["responses"][row].tolist()
+        cut = next(i for i, t in enumerate(want) if t in stop) + 1
+        assert lengths == cut <= 3 and out["responses"][row, :cut].tolist() == want[:cut]
+    everything = tuple(range(static.model.config.vocab_size))  # every token stops: one column
+    assert run(static, prompts, n=2, max_tokens=40, stop_token_ids=everything)["responses"].shape[1] == 1
+
+
+def test_shapes_reuse_and_eviction(policy, prompts):
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    rollout.static.max_shapes = 2
+    run(rollout, prompts, n=2, max_tokens=4)
+    run(rollout, prompts, n=2, max_tokens=4, seed=1)
+    assert len(rollout.static.decoders) == 1
+    run(rollout, prompts, n=3, max_tokens=4)  # 9 rows: the batch bucket of 16
+    run(rollout, prompts, n=2, max_tokens=6)
+    keys = list(rollout.static.decoders)
+    assert len(keys) == 2 and [k[0] for k in keys] == [16, 8] and keys[-1][2] == 6
+
+
+def test_sampler_options():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    greedy = Sampler.from_params(SamplingParams(greedy=True, temperature=0.3, top_k=1))
+    assert greedy == Sampler(True, 1.0, 0, 1.0)
+    top2 = Sampler.from_params(SamplingParams(top_k=2))
+    lp = top2.log_probs(logits)
+    assert torch.isinf(lp[0, 2:]).all()
+    torch.testing.assert_close(lp[0, :2].exp().sum(), torch.tensor(1.0))
+    nucleus = Sampler(False, 1.0, 0, 0.7).log_probs(logits)
+    p = torch.softmax(logits, -1)[0]
+    assert float(p[0]) < 0.7 < float(p[:2].sum())  # the nucleus is exactly the first two tokens
+    assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compile_mode", ["off", "default"])
+def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
+    """Greedy decodes through the recorded graph equal the unrecorded static steps and the dynamic cache; sampled
+    tokens' log-probs agree with the training forward pass."""
+    graph = engine(policy, "cuda", dtype="float32", compile=compile_mode, prompt_bucket=8)
+    plain = engine(policy, "cuda", dtype="float32", decoder="static", cuda_graph=False, compile="off",
+                   prompt_bucket=8)
+    assert graph.static.use_graph
+    a = run(graph, prompts, n=4, max_tokens=20, greedy=True)
+    b = run(plain, prompts, n=4, max_tokens=20, greedy=True)
+    assert torch.equal(a["responses"], b["responses"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-4, rtol=0)
+    out = run(graph, prompts, seed=2, n=4, max_tokens=20, temperature=0.9)
+    with torch.no_grad():
+        lp, _ = response_log_probs(graph.model, out.to("cuda"), 0.9, with_entropy=False)
+    mask = out["response_mask"].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
