@@ -72,7 +72,7 @@ def test_packed_inputs_are_the_valid_tokens_with_restarting_positions():
                        batch["responses"][i][batch["response_mask"][i].bool()]]) for i in range(3)]
     assert torch.equal(inputs["input_ids"][0], torch.cat(rows))
     # the position before each response token: the last prompt token, then the response itself
-    assert keep.tolist() == [4, 5, 6, 7, 8, 9] + [11 + 8] + [21 + 2, 21 + 3, 21 + 4, 21 + 5]
+    assert keep.tolist() == [4, 5, 6, 7, 8, 9, 11 + 8, 21 + 2, 21 + 3, 21 + 4, 21 + 5]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -1,0 +1,174 @@
+"""Log-probs and entropies from the head in chunks (``log_prob_chunk_size``): the plain path's numbers and
+gradients, and no (positions x vocabulary) float32 tensor beyond one chunk, forward or backward.
+
+Tolerances: float32 on the CPU, the same products summed in another order: 1e-5 absolute on log-probs
+and entropies, 1e-5 relative to each gradient's largest entry. bfloat16: both paths round the same
+bf16 logits, then reduce in float32: 1e-3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_backend_torch import grpo_loss, make_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
+from rlx.plugins.backends.torch_local import (
+    TorchBackendOptions,
+    TorchWorker,
+    chunked_head,
+    fused_head_supported,
+)
+from rlx.protocols import RoleSpec
+
+VOCAB = 4096
+
+
+def plain(hidden, weight, bias, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    return log_probs_from_logits(logits[None], targets[None])[0], entropy_from_logits(logits)
+
+
+def leaves(n: int = 11, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, 16, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(50, 16, generator=g) * 0.5).to(dtype).requires_grad_()
+    bias = (torch.randn(50, generator=g) * 0.1).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return hidden, weight, bias, targets, g_lp, g_ent
+
+
+def grads_of(fn, hidden, weight, bias, targets, g_lp, g_ent, use):
+    for t in (hidden, weight, bias):
+        t.grad = None
+    lp, ent = fn(hidden, weight, bias, targets)
+    loss = (lp * g_lp).sum() * ("lp" in use) + (ent * g_ent).sum() * ("ent" in use)
+    loss.backward()
+    return lp.detach(), ent.detach(), [t.grad.clone() for t in (hidden, weight, bias)]
+
+
+def assert_grads(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("use", [("lp",), ("ent",), ("lp", "ent")])
+@pytest.mark.parametrize("chunk", [1, 4, 11, 64])
+def test_chunked_head_equals_the_plain_path(chunk, use):
+    hidden, weight, bias, targets, g_lp, g_ent = leaves()
+    want = grads_of(lambda h, w, b, t: plain(h, w, b, t, 0.7), hidden, weight, bias, targets, g_lp, g_ent, use)
+    got = grads_of(lambda h, w, b, t: chunked_head(h, w, b, t, 0.7, chunk), hidden, weight, bias, targets,
+                   g_lp, g_ent, use)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert_grads(got[2], want[2])
+
+
+def test_chunked_head_in_bfloat16_reduces_in_float32():
+    hidden, weight, bias, targets, _, _ = leaves(dtype=torch.bfloat16)
+    lp, ent = chunked_head(hidden, weight, bias, targets, 1.0, 4)
+    assert lp.dtype == ent.dtype == torch.float32
+    want_lp, want_ent = plain(hidden, weight, bias, targets, 1.0)
+    torch.testing.assert_close(lp, want_lp, atol=1e-3, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-3, rtol=0)
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """A one-layer Qwen2 with a vocabulary of 4096: the logits dwarf everything else in the pass."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("wide")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def worker(path: str, chunk: int, packed: bool = True) -> TorchWorker:
+    spec = RoleSpec(role="actor", model_path=path, trainable=True, lr=1e-3, micro_batch_size=8,
+                    extra={"log_prob_chunk_size": chunk, "use_remove_padding": packed})
+    return TorchWorker(spec, TorchBackendOptions(), "cpu")
+
+
+def batch_for(vocab: int):
+    batch = make_batch()
+    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
+    return batch
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_worker_log_probs_entropy_and_gradients_equal_the_plain_path(wide_model, one_thread, packed):
+    batch = batch_for(VOCAB)
+    mask = batch["response_mask"].bool()
+    loss_fn = grpo_loss(entropy_coeff=0.01)  # the entropy's gradient counts too
+    out = {}
+    for chunk in (0, 5):
+        w = worker(wide_model, chunk, packed)
+        lp = w.compute_log_probs(batch, with_entropy=True)
+        loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+        loss.backward()
+        out[chunk] = lp, {n: p.grad.clone() for n, p in w.model.named_parameters()}
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(out[5][0][key][mask], out[0][0][key][mask], atol=1e-5, rtol=0, msg=key)
+    assert_grads(list(out[5][1].values()), list(out[0][1].values()))
+
+
+def storages(tree: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
+class VocabTensors(TorchDispatchMode):
+    """Records, for every floating tensor an op allocates (a view of its inputs is not an allocation) whose
+    last axis is the vocabulary, how many positions it spans (its size over the vocabulary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions: list[tuple[int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = storages((args, kwargs))
+        for t in tree_flatten(out)[0]:
+            if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] == VOCAB
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.positions.append((t.numel() // VOCAB, t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_no_float32_copy_of_the_logits_beyond_one_chunk(wide_model, one_thread, packed):
+    """The log-prob pass and a training forward + backward: with chunks of 4 positions no tensor spans
+    more than 4 positions of the vocabulary; the plain path makes float32 (positions x vocabulary)
+    tensors over every response position (the check sees them)."""
+    batch = batch_for(VOCAB)
+    positions = int(batch["response_mask"].sum())
+    largest = {}
+    for chunk in (0, 4):
+        w = worker(wide_model, chunk, packed)
+        with VocabTensors() as seen:
+            w.compute_log_probs(batch, with_entropy=True)
+            loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch)
+            loss.backward()
+        largest[chunk] = max(n for n, _ in seen.positions)
+        assert any(dtype == torch.float32 for _, dtype in seen.positions)
+    assert largest[0] >= positions
+    assert largest[4] <= 4
+
+
+def test_models_that_transform_the_logits_keep_the_plain_path(wide_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(wide_model)
+    assert fused_head_supported(model)
+    model.config.final_logit_softcapping = 30.0  # Gemma 2's tanh cap after lm_head
+    assert not fused_head_supported(model)
