@@ -1,0 +1,235 @@
+"""Dynamic micro-batches (``use_dynamic_bsz``): micro-batches cut by a token budget instead of a row count
+give the same update as fixed ones, at 1 and at 2 processes; log-probs and values come back in the batch's
+row order; rows are balanced over data-parallel ranks by tokens; a budget below the longest sequence is a
+user error.
+
+Tolerances: padded rows repeat the same float32 sums in any grouping, so weights after an AdamW step agree to
+1e-6 (lr 1e-3) and gradient norms to 1e-5 relative; over 2 processes the gradient is also summed over
+ranks: 1e-6 as in tests/test_fsdp.py, 1e-5 for the key projection's bias (its gradient is rounding noise
+only).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from test_backend_torch import critic_batch, grpo_loss, make_batch, weights
+from test_fsdp import free_port
+
+from rlx.batch import Batch
+from rlx.config import validate
+from rlx.errors import ConfigError, UserError
+from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
+from rlx.plugins.launchers.local import shard
+from rlx.protocols import RoleSpec
+from rlx.training import _token_bins, balance_for_ranks, role_settings, row_tokens
+
+BUDGET = 25  # tokens per micro-batch: the test batch's rows hold 7 to 14 tokens, 84 in all
+WORLD = 2
+
+
+@pytest.fixture
+def model_path(tiny_model_path, one_thread):
+    return tiny_model_path
+
+
+def dynamic(budget: int = BUDGET, **extra: Any) -> dict[str, Any]:
+    return {"use_dynamic_bsz": True, "use_remove_padding": False,
+            "ppo_max_token_len": budget, "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
+            "log_prob_max_token_len": budget, "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
+            **extra}
+
+
+def make(path: str, role: str = "actor", rank: int = 0, world: int = 1, micro: int = 8, **extra: Any) -> TorchWorker:
+    spec = RoleSpec(role=role, model_path=path, trainable=True, value_head=role == "critic", lr=1e-3,
+                    micro_batch_size=micro, extra={"log_prob_micro_batch_size": micro, "use_remove_padding": False,
+                                                   **extra})
+    return TorchWorker(spec, TorchBackendOptions(), "cpu", rank, world)
+
+
+def counting(loss_fn: Any, sizes: list[tuple[int, int]]) -> Any:
+    """``loss_fn`` that records each micro-batch's rows and tokens."""
+    def fn(outputs: dict[str, torch.Tensor], mb: Batch) -> Any:
+        sizes.append((len(mb), sum(row_tokens(mb))))
+        return loss_fn(outputs, mb)
+
+    return fn
+
+
+def test_token_bins_respect_the_budget_and_the_count():
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(50, 200)
+        needed = len(_token_bins(tokens, budget, 0))
+        assert needed >= -(-sum(tokens) // budget)
+        for count in {needed, min(len(tokens), needed + 3)}:
+            bins = _token_bins(tokens, budget, count)
+            assert len(bins) == count
+            assert sorted(i for b in bins for i in b) == list(range(len(tokens)))
+            assert all(sum(tokens[i] for i in b) <= budget for b in bins)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_dynamic_update_equals_the_fixed_one(model_path, packed):
+    """One step on 8 sequences: one micro-batch of 8 rows, or micro-batches of at most 25 tokens."""
+    fixed = make(model_path, use_remove_padding=packed)
+    varied = make(model_path, micro=1, **dynamic(use_remove_padding=packed))
+    start = weights(fixed)
+    seen_fixed: list[tuple[int, int]] = []
+    seen: list[tuple[int, int]] = []
+    m_fixed = fixed.train_step(make_batch(), counting(grpo_loss(loss_agg_mode="seq-mean-token-mean"), seen_fixed))
+    m_dyn = varied.train_step(make_batch(), counting(grpo_loss(loss_agg_mode="seq-mean-token-mean"), seen))
+    assert seen_fixed == [(8, 84)]
+    assert len(seen) == 4 and all(tokens <= BUDGET for _, tokens in seen) and sum(r for r, _ in seen) == 8
+    assert max(r for r, _ in seen) > 1  # rows grouped by tokens, not one row per micro-batch (micro=1)
+    moved = max(float((weights(fixed)[k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-4
+    after = weights(varied)
+    for k, v in weights(fixed).items():
+        torch.testing.assert_close(after[k], v, atol=1e-5 if packed else 1e-6, rtol=0, msg=k)
+    assert m_dyn["grad_norm"] == pytest.approx(m_fixed["grad_norm"], rel=1e-5)
+    for key in ("actor/entropy", "actor/pg_clipfrac", "actor/pg_loss"):
+        assert m_dyn[key] == pytest.approx(m_fixed[key], rel=1e-5, abs=1e-7), key
+
+
+def test_dynamic_log_probs_and_values_come_back_in_row_order(model_path):
+    batch = make_batch()
+    mask = batch["response_mask"].bool()
+    fixed = make(model_path).compute_log_probs(batch, with_entropy=True)
+    varied = make(model_path, **dynamic(budget=20)).compute_log_probs(batch, with_entropy=True)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(varied[key][mask], fixed[key][mask], atol=1e-6, rtol=0, msg=key)
+    values = [make(model_path, "critic", **extra).compute_values(batch)["values"] for extra in ({}, dynamic(20))]
+    torch.testing.assert_close(values[1], values[0], atol=1e-6, rtol=0)
+
+
+def test_a_budget_below_the_longest_sequence_is_a_user_error(model_path):
+    worker = make(model_path, **dynamic(budget=13))  # the longest row holds 14 tokens
+    with pytest.raises(UserError, match=r"14 tokens .* actor\.ppo_max_token_len_per_gpu=13") as info:
+        worker.train_step(make_batch(), grpo_loss())
+    assert "Raise actor.ppo_max_token_len_per_gpu" in info.value.hint
+    with pytest.raises(UserError, match=r"actor\.log_prob_max_token_len_per_gpu=13"):
+        worker.compute_log_probs(make_batch())
+    with pytest.raises(ConfigError) as cfg:
+        validate({"actor": {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 1000},
+                  "critic": {"use_dynamic_bsz": True, "forward_max_token_len_per_gpu": 100}})
+    text = "\n".join(cfg.value.problems)
+    assert "actor.ppo_max_token_len_per_gpu: 1000 is smaller than the longest sequence" in text and "1024" in text
+    assert "critic.forward_max_token_len_per_gpu: 100" in text
+    assert "log_prob_max_token_len_per_gpu" not in text  # 16384 >= 1024
+    validate({"actor": {"ppo_max_token_len_per_gpu": 10}})  # without use_dynamic_bsz the budget is unused
+
+
+def test_cli_reports_a_small_budget_with_exit_status_2(tmp_path):
+    env = {**os.environ, "RLX_CACHE": str(tmp_path / "cache"), "NO_COLOR": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "rlx", "config", "show", "actor.use_dynamic_bsz=true",
+                           "actor.ppo_max_token_len_per_gpu=8", "data.max_prompt_length=16",
+                           "data.max_response_length=4"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "actor.ppo_max_token_len_per_gpu: 8 is smaller than the longest sequence" in proc.stderr
+    assert "= 20" in proc.stderr
+
+
+def test_role_settings_reach_the_workers(model_path):
+    from rlx.context import BuildContext
+    from rlx.protocols import RunInfo
+
+    config = validate({"actor": {"use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 4096,
+                                 "use_remove_padding": False, "log_prob_chunk_size": 0},
+                       "critic": {"forward_max_token_len_per_gpu": 2048}})
+    assert role_settings(config, "ref") == role_settings(config, "actor")
+    assert role_settings(config, "critic")["log_prob_max_token_len"] == 2048
+    backend = TorchBackend(TorchBackendOptions(), "cpu",
+                           {r: role_settings(config, r) for r in ("actor", "ref", "critic")})
+    ref = backend.worker(RoleSpec(role="ref", model_path=model_path, trainable=False))
+    assert ref.forward_budget == (4096, "actor.log_prob_max_token_len_per_gpu")
+    assert not ref.packed and ref.chunk_size == 0
+    # the trainer's own extras win over the config's
+    critic = backend.worker(RoleSpec(role="critic", model_path=model_path, trainable=True, value_head=True,
+                                     extra={"use_remove_padding": False}))
+    assert critic.forward_budget is None and not critic.packed
+    from rlx.plugins.backends.torch_local import build
+
+    built = build(None, BuildContext(config, RunInfo(".", "p", "e", {})))
+    assert built.settings["actor"]["log_prob_max_token_len"] == 4096
+
+
+def test_balance_for_ranks_keeps_the_row_counts_and_evens_the_tokens(model_path):
+    batch = make_batch()  # tokens per row: 11, 10, 7, 13, 11, 9, 9, 14
+    batch = batch.index(sorted(range(8), key=lambda i: row_tokens(batch)[i]))  # ranks get 35 and 49 tokens
+    tokens = row_tokens(batch)
+    balanced = balance_for_ranks(batch, 2)
+    assert sorted(row_tokens(balanced)) == sorted(tokens)
+    before = [sum(row_tokens(c)) for c in batch.chunk(2)]
+    after = [sum(row_tokens(c)) for c in balanced.chunk(2)]
+    assert [len(c) for c in balanced.chunk(2)] == [len(c) for c in batch.chunk(2)]
+    assert max(before) - min(before) == 14 and max(after) - min(after) <= 2
+    # the order of a mini-batch's rows does not change its update
+    a, b = make(model_path, micro=2), make(model_path, micro=2)
+    a.train_step(batch, grpo_loss())
+    b.train_step(balanced, grpo_loss())
+    after_b = weights(b)
+    for k, v in weights(a).items():
+        torch.testing.assert_close(after_b[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+# -- 2 processes (gloo): every rank runs as many micro-batches, and the update is the fixed one ------
+def _rank_main(rank: int, world: int, port: int, path: str, data: dict[str, Any], out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        actor = make(path, "actor", rank, world, micro=1, **dynamic())
+        sizes: list[tuple[int, int]] = []
+        minis = [balance_for_ranks(m, world) for m in data["minibatches"]]
+        metrics = actor.update(shard(minis, world)[rank], counting(grpo_loss(), sizes))
+        critic = make(path, "critic", rank, world, micro=1, **dynamic())
+        values = critic.compute_values(shard(data["batch"], world)[rank])["values"]
+        torch.save({"metrics": metrics, "sizes": sizes, "weights": weights(actor), "values": values},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_dynamic_equals_one_process_fixed(model_path, tmp_path):
+    import torch.multiprocessing as mp
+
+    batch = critic_batch()
+    batch.tensors["old_log_probs"] = make(model_path).compute_log_probs(batch)["log_probs"]
+    minis = batch.index(torch.randperm(8, generator=torch.Generator().manual_seed(3))).split(4)
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_rank_main, args=(WORLD, free_port(), model_path, {"minibatches": minis, "batch": batch},
+                                             str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    fixed = make(model_path, micro=4)
+    want = fixed.update(minis, grpo_loss())
+    want_values = make(model_path, "critic").compute_values(batch)["values"]
+    assert len(ranks[0]["sizes"]) == len(ranks[1]["sizes"])  # the same number of passes on every rank
+    for r, res in enumerate(ranks):
+        assert all(tokens <= BUDGET for _, tokens in res["sizes"])
+        for got, exp in zip(res["metrics"], want):
+            for key in ("grad_norm", "actor/pg_loss", "actor/entropy"):
+                assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-7), (r, key)
+        for k, v in weights(fixed).items():
+            atol = 1e-5 if k.endswith("k_proj.bias") else 1e-6
+            torch.testing.assert_close(res["weights"][k], v, atol=atol, rtol=0, msg=f"rank {r}: {k}")
+    mask = batch["response_mask"].bool()
+    got_values = torch.cat([res["values"] for res in ranks])
+    torch.testing.assert_close(got_values[mask], want_values[mask], atol=1e-6, rtol=0)
