@@ -121,7 +121,19 @@ def prompt_batch(tok: Any, texts: list[str]) -> Any:
     return collate(examples, tok.pad_token_id)
 
 
-def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str]) -> None:
+def profile(engine: Any, prompts: Any, params: Any, path: Path) -> None:
+    """Where one 64 x 256 generate call spends its GPU time: the top kernels, from torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    path.write_text(table)
+    print("\n".join(table.splitlines()[:20]), flush=True)
+
+
+def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str], profile_dir: Path | None) -> None:
     """rlx's engine (each compile mode, and the plain dynamic-cache loop) against transformers' static cache +
     torch.compile ``generate``, on the same 64 x 256 tokens; log-prob agreement with the training forward."""
     import torch
@@ -156,9 +168,11 @@ def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str]) -
             record(f"{label}/ms_per_token_step", 1000 * min(times) / RESPONSE_TOKENS)
             torch.manual_seed(3)
             out = engine.generate(prompts, params)
+            record(f"{label}/peak_gib", peak_gib())
             record(f"{label}/response_tokens", int(out["response_mask"].sum()))
             record(f"{label}/log_prob_abs_diff_vs_training_forward", agreement(out))
-            record(f"{label}/peak_gib", peak_gib())
+            if profile_dir is not None and options.get("compile") == "default":
+                profile(engine, prompts, params, profile_dir / "decode_profile.txt")
             state = list(reference.state_dict().items())
             record(f"{label}/update_weights_s", timed(lambda e=engine, s=state: e.update_weights(s)))
             engine.close()
@@ -187,14 +201,15 @@ def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str]) -
 
 
 # -- GRPO steps -----------------------------------------------------------------------------------------
-def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str]) -> None:
+def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str],
+              name: str = "rlx") -> None:
     from rlx.registry import get_plugin_manager
     from rlx.trainer import Trainer
     from rlx.validate import load_config
 
     reward = out / "reward.py"
     reward.write_text(REWARD_FILE)
-    run_dir = out / "rlx_run"
+    run_dir = out / f"{name}_run"
     overrides = [
         f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}", "model.dtype=bfloat16", "trainer.device=cuda",
         "backend.num_threads=4",
@@ -207,21 +222,21 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
         f"trainer.total_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=0", "trainer.save_hf_model=false",
         "trainer.loggers=[jsonl]", f"trainer.output_dir={run_dir}", *extra,
     ]
-    print("rlx overrides: " + " ".join(overrides), flush=True)
+    print(f"{name} overrides: " + " ".join(overrides), flush=True)
     pm = get_plugin_manager()
     fresh_peak()
     start = time.perf_counter()
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
-    record("rlx/wall_s", time.perf_counter() - start)
-    record("rlx/peak_gib", peak_gib())
+    record(f"{name}/wall_s", time.perf_counter() - start)
+    record(f"{name}/peak_gib", peak_gib())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        print(f"  rlx step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
+        print(f"  {name} step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
                                                   if k.startswith("timing/")), flush=True)
     steady = rows[1:] or rows
     for key in sorted({k for r in steady for k in r if k.startswith(("timing/", "perf/"))}):
-        record(f"rlx/{key}", sum(r.get(key, 0.0) for r in steady) / len(steady))
-    record("rlx/response_length_mean", sum(r["response_length/mean"] for r in steady) / len(steady))
+        record(f"{name}/{key}", sum(r.get(key, 0.0) for r in steady) / len(steady))
+    record(f"{name}/response_length_mean", sum(r["response_length/mean"] for r in steady) / len(steady))
 
 
 def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps: int) -> None:
@@ -278,7 +293,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up).")
-    ap.add_argument("--parts", default="gen,rlx,trl", help="Comma-separated: gen, rlx, trl.")
+    ap.add_argument("--parts", default="trl,rlx,rlx_gc,gen",
+                    help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
+                    "as TRL's default), gen.")
+    ap.add_argument("--profile", action="store_true", help="Profile one generate call (top kernels).")
     ap.add_argument("--compile-modes", default="off,default", help="rlx engine compile modes timed in 'gen'.")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_args()
@@ -286,7 +304,6 @@ def main() -> None:
     import transformers
 
     args.out.mkdir(parents=True, exist_ok=True)
-    parts = set(args.parts.split(","))
     record("versions", f"torch {torch.__version__}, transformers {transformers.__version__}, "
                        f"GPU {torch.cuda.get_device_name()}")
     model_dir, tok_dir = args.out / "model", args.out / "tokenizer"
@@ -294,21 +311,24 @@ def main() -> None:
         build_model(model_dir, tok_dir)
     texts = prompt_texts(PROMPTS * args.steps)
     data = write_data(args.out, texts)
-    sections = [("gen", lambda: bench_generation(model_dir, tok_dir, args.compile_modes.split(","))),
-                ("rlx", lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides)),
-                ("trl", lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps))]
-    for name, fn in sections:
-        if name not in parts:
-            continue
+    sections = {"gen": lambda: bench_generation(model_dir, tok_dir, args.compile_modes.split(","),
+                                                args.out if args.profile else None),
+                "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides),
+                "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                                            ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc"),
+                "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
+    for name in args.parts.split(","):
         print(f"== {name}", flush=True)
         try:
-            fn()
+            sections[name]()
         except Exception:
             traceback.print_exc()
             record(f"{name}/error", traceback.format_exc(limit=3).splitlines()[-1])
         fresh_peak()
-    if "rlx/timing/step" in RESULTS and "trl/timing/step" in RESULTS:
-        record("trl_over_rlx_step_time", RESULTS["trl/timing/step"] / RESULTS["rlx/timing/step"])
+        (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+    for name in ("rlx", "rlx_gc"):
+        if f"{name}/timing/step" in RESULTS and "trl/timing/step" in RESULTS:
+            record(f"trl_over_{name}_step_time", RESULTS["trl/timing/step"] / RESULTS[f"{name}/timing/step"])
     (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print(json.dumps(RESULTS, indent=1))
 

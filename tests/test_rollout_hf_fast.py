@@ -14,7 +14,9 @@ from rlx.data import PromptExample, collate
 from rlx.plugins.backends.torch_local import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.plugins.rollout.hf_sampling import Sampler
+from rlx.plugins.rollout.hf_static import decode_attention
 from rlx.protocols import SamplingParams
+from rlx.testing import RolloutEngineContract
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +67,14 @@ def prompts(policy) -> Batch:
 def run(rollout: HFRollout, prompts: Batch, seed: int = 0, **params) -> Batch:
     torch.manual_seed(seed)
     return rollout.generate(prompts, SamplingParams(**params))
+
+
+class TestStaticDecoderContract(RolloutEngineContract):
+    """The whole engine contract through the static decoder (on the CPU: unrecorded steps)."""
+
+    def make_engine(self, model_path: str, tokenizer) -> HFRollout:
+        return HFRollout(model_path, HFRolloutOptions(micro_batch_size=8192, decoder="static"), "cpu",
+                         [tokenizer.eos_token_id], tokenizer.pad_token_id)
 
 
 def test_auto_is_dynamic_on_the_cpu(policy, static):
@@ -142,6 +152,23 @@ def test_shapes_reuse_and_eviction(policy, prompts):
     run(rollout, prompts, n=2, max_tokens=6)
     keys = list(rollout.static.decoders)
     assert len(keys) == 2 and [k[0] for k in keys] == [16, 8] and keys[-1][2] == 6
+
+
+def test_decode_attention_equals_transformers_sdpa():
+    """One query token with 3 query heads per key/value head: the folded attention equals transformers' sdpa
+    (which repeats the keys and values per query head), under a mask with holes."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = torch.randn(4, 6, 1, 16), torch.randn(4, 2, 9, 16), torch.randn(4, 2, 9, 16)
+    mask = torch.rand(4, 1, 1, 9) > 0.3
+    mask[..., 0] = True
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert got.shape == want.shape == (4, 1, 6, 16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_sampler_options():

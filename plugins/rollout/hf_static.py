@@ -8,6 +8,12 @@ few shapes a run meets each get one cache, one compilation and one graph, reused
 Masks are built here, as 4D tensors that transformers takes as they are, so no mask code (which may
 synchronise with the host) runs inside the graph. Padding query positions of the prompt attend to
 themselves alone: a row with no key to attend to would give NaN and poison the cache.
+
+With sdpa, the engine's model runs its attention through :func:`decode_attention` (registered with
+transformers' attention interface): for a one-token query it folds the query heads that share a key/value
+head into one group, so grouped-query attention reads the cache once instead of through ``repeat_kv``'s
+copy of it per query head (with a mask, transformers' sdpa path makes that copy); other calls go to
+transformers' own sdpa function.
 """
 
 from __future__ import annotations
@@ -22,13 +28,44 @@ if TYPE_CHECKING:
     import torch
 
 CompileMode = Literal["off", "default", "max-autotune"]
+DECODE_ATTENTION = "rlx_sdpa_decode"
+
+
+def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Transformers' sdpa attention, except for one query token with grouped key/value heads and a mask shared
+    by all heads: the ``n_rep`` query heads of each key/value head become ``n_rep`` query rows of it."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if (q_len != 1 or heads == kv_heads or attention_mask is None or attention_mask.dim() != 4
+            or attention_mask.shape[1] != 1 or dropout):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h uses key/value head h // n_rep
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(batch, 1, heads, dim), None  # (b, q, heads, dim), as transformers' functions return
+
+
+def use_decode_attention(model: Any) -> None:
+    """Run the model's sdpa attention through :func:`decode_attention` (masks built as for sdpa)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(DECODE_ATTENTION)
 
 
 def supports_static(model: Any) -> str | None:
     """Why the static path cannot run this model, or None when it can."""
     config = model.config
     impl = getattr(config, "_attn_implementation", "sdpa")
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", DECODE_ATTENTION):
         return f"attention implementation {impl!r} (the static path builds masks for sdpa and eager)"
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     if any(t != "full_attention" for t in layer_types):
@@ -56,7 +93,7 @@ class StaticDecoder:
         device = model.device
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.cache_kw = cache_argument(model)
-        self.additive = getattr(model.config, "_attn_implementation", "sdpa") != "sdpa"
+        self.additive = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
         self.dtype = model.dtype
         long = {"dtype": torch.long, "device": device}
         self.tok = torch.zeros(batch, 1, **long)  # the token fed to the next step
@@ -178,6 +215,8 @@ class StaticEngine:
         self.use_graph, self.compile_mode = use_graph, compile_mode
         self.prompt_bucket, self.max_shapes = prompt_bucket, max_shapes
         self.decoders: OrderedDict[tuple[Any, ...], StaticDecoder] = OrderedDict()
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            use_decode_attention(model)
         self.pool: Any = None
         self.compile_failed = False
 
