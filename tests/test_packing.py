@@ -213,3 +213,10 @@ def test_fsdp2_two_processes_packed_equals_padded(model_path, tmp_path):
             torch.testing.assert_close(got[mask], expected[mask], atol=ATOL, rtol=0, msg=f"{key}, packed={packed}")
         for r in range(WORLD):
             assert_grads_close(ranks[r][f"grads_{packed}"], want_grads, f"rank {r}, packed={packed}")
+
+
+def test_flex_attention_cannot_train_on_the_cpu(model_path):
+    from rlx.errors import UserError
+
+    with pytest.raises(UserError, match="flex attention has no backward pass"):
+        worker(model_path, "actor", "flex_attention")

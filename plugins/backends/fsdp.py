@@ -57,6 +57,7 @@ from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.backends.torch_local import (
     TorchWorker,
+    check_attention,
     load_value_model,
     pick_device,
     resolve_dtype,
@@ -74,8 +75,10 @@ DCP_DIR = "dcp"
 
 class FSDPCommonOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel passed to from_pretrained.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained. Packed sequences: sdpa and eager mask "
+        "each sequence off (a block-diagonal mask), flash_attention_2 (flash-attn installed) and flex_attention "
+        "(GPU: it has no backward on the CPU) skip the work across sequences.")
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer states in CPU "
                                                  "memory between uses (GPU only; slower, far less GPU memory).")
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads per process (default: torch's "
@@ -245,6 +248,7 @@ class FSDPWorker(TorchWorker):
         ensure_process_group(pick_device(device))
         self.spec, self.options, self.engine = spec, options, engine
         self.device = rank_device(device)
+        check_attention(options.attn_implementation, self.device, spec)
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.comm_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.mesh = init_device_mesh(torch.device(self.device).type, (self.dp_size,))

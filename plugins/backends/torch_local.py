@@ -37,9 +37,20 @@ def rng_file(rank: int) -> str:
 
 class TorchBackendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel passed to from_pretrained.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained. Packed sequences: sdpa and eager mask "
+        "each sequence off (a block-diagonal mask), flash_attention_2 (flash-attn installed) and flex_attention "
+        "(GPU: it has no backward on the CPU) skip the work across sequences.")
     num_threads: int | None = Field(None, gt=0, le=4096, description="torch CPU threads (default: torch's choice).")
+
+
+def check_attention(attn_implementation: str, device: str, spec: RoleSpec) -> None:
+    from rlx.errors import UserError
+
+    if attn_implementation == "flex_attention" and spec.trainable and str(device).startswith("cpu"):
+        raise UserError(f"backend.attn_implementation=flex_attention cannot train the {spec.role} on the CPU: "
+                        "PyTorch's flex attention has no backward pass there.",
+                        "Use backend.attn_implementation=sdpa on the CPU (packed sequences work with it).")
 
 
 def pick_device(requested: str) -> str:
@@ -371,6 +382,7 @@ class TorchWorker:
         # Under several processes (the launcher's --nproc) every rank holds the whole model and the
         # gradients are summed over ranks before each step: plain replicated data parallelism.
         self.rank, self.dp_size = rank, world_size
+        check_attention(options.attn_implementation, self.device, spec)
         torch.manual_seed(spec.seed)
         # Mixed precision: a trainable role keeps float32 master weights (AdamW on bf16 weights loses
         # small updates) and runs its forward passes under autocast in model.dtype on a GPU; a frozen
