@@ -16,6 +16,7 @@ from rlx import __version__
 from rlx.cli import data as data_cli
 from rlx.cli import eval as eval_cli
 from rlx.cli import export as export_cli
+from rlx.cli import plot as plot_cli
 from rlx.cli import scaffold
 from rlx.errors import UserError
 
@@ -28,6 +29,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(data_cli.app, name="data")
 app.command("eval")(eval_cli.eval_command)
 app.command("export")(export_cli.export_command)
+app.command("plot")(plot_cli.plot_command)
 plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
@@ -208,6 +210,33 @@ def config_validate(config: ConfigOpt = None, preset: PresetOpt = None, backend:
     typer.echo("Config is valid.")
 
 
+AllowUnmappedOpt = Annotated[bool, typer.Option(
+    "--allow-unmapped", metavar="", help="Go on when some verl keys have no rlx counterpart (they are listed).")]
+
+
+def _from_verl(source: str, allow_unmapped: bool) -> Any:
+    from rlx.cli.from_verl import translate
+
+    translation = translate(source, _pm())
+    if translation.unmapped and not allow_unmapped:
+        raise translation.unmapped_error()
+    return translation
+
+
+@config_app.command("from-verl")
+def config_from_verl(
+        source: Annotated[str, typer.Argument(help="A verl command line (quoted) or a YAML file of verl keys.")],
+        allow_unmapped: AllowUnmappedOpt = False) -> None:
+    """Print the rlx config (YAML) equivalent to a verl run; verl keys rlx cannot follow are named (exit 2
+    unless --allow-unmapped). Save it and run it with `rlx train --config FILE`, or use `rlx train --from-verl`."""
+    from rlx.cli.from_verl import translate
+
+    translation = translate(source, _pm())
+    typer.echo(translation.to_yaml(), nl=False)
+    if translation.unmapped and not allow_unmapped:
+        raise translation.unmapped_error()
+
+
 # -- train --------------------------------------------------------------------------------------
 @app.command("train")
 def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
@@ -215,12 +244,23 @@ def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOp
           model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
           resume: Annotated[bool, typer.Option("--resume", metavar="", help="Continue from the last complete "
                                                "checkpoint (fail if there is none).")] = False,
+          from_verl: Annotated[str | None, typer.Option(
+              "--from-verl", metavar="VERL", help="Run a verl command line (quoted) or YAML of verl keys, "
+              "translated (see `rlx config from-verl`); flags and overrides given here apply on top.")] = None,
+          allow_unmapped: AllowUnmappedOpt = False,
           overrides: OverridesArg = None) -> None:
     """Train. With no model, config or data, runs the small built-in GRPO job (preset tiny) on the CPU.
 
     The whole config (plugins, options, data files, run folder) is checked before any model is loaded.
     """
     overrides = list(overrides or [])
+    if from_verl is not None:
+        translation = _from_verl(from_verl, allow_unmapped)
+        for note in translation.notes:
+            typer.echo(f"from-verl: {note}", err=True)
+        for key, why in translation.unmapped:
+            typer.echo(f"from-verl: left out {key} ({why})", err=True)
+        overrides = translation.overrides() + overrides
     if resume:
         if overrides and overrides[0].lower() in ("true", "false", "yes", "no", "1", "0"):
             raise UserError(f"--resume is a flag and takes no value; got --resume {overrides[0]}.",

@@ -1,0 +1,627 @@
+"""Translate a verl run (its ``main_ppo`` command line or a YAML of Hydra keys) into an rlx config.
+
+``rlx config from-verl "<verl command line or YAML path>"`` prints the rlx config; ``rlx train --from-verl``
+runs it. Every verl key given is either
+
+- **mapped** to rlx's key, with its value converted where the two differ in meaning (``trainer.save_freq=-1``
+  means "never" in verl and is ``0`` in rlx, ``algorithm.adv_estimator=gae`` is rlx's ``ppo`` algorithm, ...),
+- **ignored** with a reason, when it changes where or how fast things run but not what is computed
+  (offloading, memory fractions, tensor-parallel sizes of the engine, profiling), or
+- **unmapped**, with a reason: rlx has no counterpart, so the run would not be the same. The command stops
+  (exit 2) naming each one, unless ``--allow-unmapped``.
+
+verl's defaults that differ from rlx's (a batch of 1024 prompts, 30 epochs, one sample per prompt, no KL
+loss, validation before training, ...) are written into the translation when the command line does not
+set them, so the rlx run is the verl run. ``docs/from-verl.md`` has the whole key map.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import UserError
+
+# ---------------------------------------------------------------------------------------------
+# Reading the verl source
+_STOP_TOKENS = {"|", "||", "&&", ";", "&", "|&"}
+
+
+def _parse_value(raw: str) -> Any:
+    from rlx.config import parse_value
+
+    return parse_value(os.path.expandvars(raw))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+_INTERPOLATION = re.compile(r"\$\{([^}]+)\}")
+
+
+def _resolve_interpolations(keys: dict[str, Any]) -> dict[str, Any]:
+    """Hydra's ``${a.b}`` references to other keys of the same source, resolved (a few rounds for chains)."""
+    out = dict(keys)
+    for _ in range(5):
+        changed = False
+        for key, value in out.items():
+            if not isinstance(value, str) or "${" not in value:
+                continue
+            whole = _INTERPOLATION.fullmatch(value)
+            if whole and whole.group(1) in out and not isinstance(out[whole.group(1)], str):
+                out[key], changed = out[whole.group(1)], True
+                continue
+            new = _INTERPOLATION.sub(lambda m: str(out[m.group(1)]) if m.group(1) in out else m.group(0), value)
+            if new != value:
+                out[key], changed = new, True
+        if not changed:
+            break
+    return out
+
+
+def read_verl_source(source: str) -> dict[str, Any]:
+    """The verl keys a command line (or a YAML file of Hydra keys) sets: ``{dotted key: value}``.
+
+    In a command line, ``KEY=VALUE`` words after the program are Hydra overrides (``+KEY``/``++KEY`` too,
+    and ``~KEY`` deletions, which rlx cannot follow);
+    ``VAR=VALUE`` words before it are environment settings and are skipped, as are the program, its
+    options, ``$@`` and everything from the first pipe or ``;`` on. ``$HOME``-style variables are
+    expanded as the shell would. A YAML file's nested keys are flattened (its ``defaults`` and ``hydra``
+    sections left out).
+    """
+    text = source.strip()
+    path = Path(os.path.expanduser(text))
+    if "\n" not in text and text.endswith((".yaml", ".yml")):
+        import yaml
+
+        if not path.is_file():
+            raise UserError(f"--from-verl {text}: no such YAML file.",
+                            "Give the path of a verl YAML config, or a verl command line in quotes.")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise UserError(f"--from-verl {text}: cannot read it as YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"--from-verl {text}: the top level must be a mapping of verl sections.")
+        data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+        return _resolve_interpolations(_flatten(data))
+    try:
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise UserError(f"--from-verl: cannot split the command line into words ({exc}).",
+                        "Check its quotes; give it as one quoted argument.") from None
+    keys: dict[str, Any] = {}
+    seen_program = False
+    for word in words:
+        if word in _STOP_TOKENS or word.startswith((">", "2>", "1>")):
+            break
+        if word.startswith("~") and seen_program:  # Hydra's deletion of a default key
+            keys[word.partition("=")[0]] = None
+            continue
+        key, eq, raw = word.partition("=")
+        if not eq or not key or key.startswith("-") or "$" in key:
+            if word != "$@" and not word.startswith("-"):
+                seen_program = True
+            continue
+        if not seen_program and "." not in key:
+            continue  # VAR=VALUE before the program: the environment of the command
+        keys[key.lstrip("+")] = _parse_value(raw)
+    if not keys:
+        raise UserError("--from-verl: no KEY=VALUE settings found in the command line.",
+                        "Pass the whole verl command in quotes, e.g. --from-verl \"python3 -m verl.trainer.main_ppo "
+                        "data.train_files=... actor_rollout_ref.model.path=...\", or a YAML file.")
+    return _resolve_interpolations(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The translation
+@dataclass
+class Translation:
+    """rlx settings (dotted keys) from verl keys, with what was converted, ignored and left unmapped."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # rlx key -> the verl key (or "verl default")
+    notes: list[str] = field(default_factory=list)  # conversions worth knowing
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (verl key, why it changes nothing here)
+    unmapped: list[tuple[str, str]] = field(default_factory=list)  # (verl key, why rlx cannot follow it)
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        self.settings[key] = value
+        self.sources[key] = source
+
+    def tree(self) -> dict[str, Any]:
+        from rlx.config import set_dotted
+
+        out: dict[str, Any] = {}
+        for key, value in self.settings.items():
+            set_dotted(out, key, value)
+        return out
+
+    def overrides(self) -> list[str]:
+        """The settings as ``KEY=VALUE`` overrides (values as JSON, which rlx reads as YAML)."""
+        return [f"{key}={json.dumps(value)}" for key, value in self.settings.items()]
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        lines = ["# rlx config translated from a verl run (rlx config from-verl)."]
+        for note in self.notes:
+            lines.append(f"# note: {note}")
+        for key, why in self.ignored:
+            lines.append(f"# ignored: {key} ({why})")
+        for key, why in self.unmapped:
+            lines.append(f"# UNMAPPED: {key} ({why})")
+        return "\n".join(lines) + "\n" + yaml.safe_dump(self.tree(), sort_keys=False)
+
+    def unmapped_error(self) -> UserError:
+        listed = "; ".join(f"{key} ({why})" for key, why in self.unmapped)
+        return UserError(f"{len(self.unmapped)} verl key(s) have no rlx counterpart: {listed}.",
+                         "Remove them from the verl command, or pass --allow-unmapped to run without them "
+                         "(docs/from-verl.md lists every key rlx maps).")
+
+
+class _Unmapped(Exception):
+    pass
+
+
+class _Ignored(Exception):
+    pass
+
+
+AA = "actor_rollout_ref.actor."
+RO = "actor_rollout_ref.rollout."
+REF = "actor_rollout_ref.ref."
+MODEL = "actor_rollout_ref.model."
+
+# verl key -> rlx key, same meaning and value.
+DIRECT: dict[str, str] = {
+    "data.train_files": "data.train_files",
+    "data.val_files": "data.val_files",
+    "data.train_batch_size": "data.train_batch_size",
+    "data.val_batch_size": "data.val_batch_size",
+    "data.max_prompt_length": "data.max_prompt_length",
+    "data.max_response_length": "data.max_response_length",
+    "data.filter_overlong_prompts": "data.filter_overlong_prompts",
+    "data.prompt_key": "data.prompt_key",
+    "data.shuffle": "data.shuffle",
+    "data.seed": "trainer.seed",
+    MODEL + "path": "model.path",
+    MODEL + "tokenizer_path": "model.tokenizer_path",
+    MODEL + "trust_remote_code": "model.trust_remote_code",
+    MODEL + "enable_gradient_checkpointing": "model.gradient_checkpointing",
+    MODEL + "use_remove_padding": "actor.use_remove_padding",
+    MODEL + "lora_alpha": "model.lora_alpha",
+    MODEL + "target_modules": "model.target_modules",
+    AA + "optim.lr": "actor.optim.lr",
+    AA + "optim.weight_decay": "actor.optim.weight_decay",
+    AA + "optim.betas": "actor.optim.betas",
+    AA + "optim.min_lr_ratio": "actor.optim.min_lr_ratio",
+    AA + "optim.clip_grad": "actor.optim.grad_clip",
+    AA + "grad_clip": "actor.optim.grad_clip",
+    AA + "ppo_mini_batch_size": "actor.ppo_mini_batch_size",
+    AA + "ppo_micro_batch_size_per_gpu": "actor.micro_batch_size_per_device",
+    AA + "use_dynamic_bsz": "actor.use_dynamic_bsz",
+    AA + "ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
+    AA + "ppo_epochs": "actor.ppo_epochs",
+    AA + "shuffle": "actor.shuffle",
+    AA + "clip_ratio": "algorithm.clip_ratio",
+    AA + "clip_ratio_low": "algorithm.clip_ratio_low",
+    AA + "clip_ratio_high": "algorithm.clip_ratio_high",
+    AA + "clip_ratio_c": "algorithm.clip_ratio_c",
+    AA + "policy_loss.loss_mode": "algorithm.policy_loss",
+    AA + "use_kl_loss": "algorithm.use_kl_loss",
+    AA + "kl_loss_coef": "algorithm.kl_loss_coef",
+    AA + "kl_loss_type": "algorithm.kl_loss_type",
+    AA + "entropy_coeff": "algorithm.entropy_coeff",
+    AA + "loss_agg_mode": "algorithm.loss_agg_mode",
+    RO + "n": "rollout.n",
+    RO + "temperature": "rollout.temperature",
+    RO + "top_p": "rollout.top_p",
+    RO + "top_k": "rollout.top_k",
+    RO + "val_kwargs.temperature": "rollout.val_temperature",
+    RO + "val_kwargs.n": "rollout.val_n",
+    "critic.model.path": "critic.model_path",
+    "critic.model.use_remove_padding": "critic.use_remove_padding",
+    "critic.optim.lr": "critic.optim.lr",
+    "critic.optim.weight_decay": "critic.optim.weight_decay",
+    "critic.optim.betas": "critic.optim.betas",
+    "critic.optim.min_lr_ratio": "critic.optim.min_lr_ratio",
+    "critic.optim.clip_grad": "critic.optim.grad_clip",
+    "critic.grad_clip": "critic.optim.grad_clip",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size_per_device",
+    "critic.forward_micro_batch_size_per_gpu": "critic.forward_micro_batch_size_per_device",
+    "critic.ppo_epochs": "critic.ppo_epochs",
+    "critic.cliprange_value": "critic.cliprange_value",
+    "critic.use_dynamic_bsz": "critic.use_dynamic_bsz",
+    "critic.ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu": "critic.forward_max_token_len_per_gpu",
+    "algorithm.gamma": "algorithm.gamma",
+    "algorithm.lam": "algorithm.lam",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
+    "algorithm.use_kl_in_reward": "algorithm.use_kl_in_reward",
+    "algorithm.kl_penalty": "algorithm.kl_penalty",
+    "algorithm.kl_ctrl.type": "algorithm.kl_ctrl.type",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "algorithm.kl_ctrl.target_kl": "algorithm.kl_ctrl.target_kl",
+    "algorithm.kl_ctrl.horizon": "algorithm.kl_ctrl.horizon",
+    "algorithm.filter_groups.enable": "algorithm.filter_groups",
+    "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_num_gen_batches",
+    "trainer.project_name": "trainer.project",
+    "trainer.experiment_name": "trainer.experiment",
+    "trainer.test_freq": "trainer.test_freq",
+    "trainer.val_before_train": "trainer.val_before_train",
+    "trainer.critic_warmup": "critic.warmup_steps",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints_to_keep",
+    "reward_model.model.path": "reward.path",
+    "reward_model.micro_batch_size_per_gpu": "reward.batch_size",
+    "reward_model.max_length": "reward.max_length",
+    "reward_model.model.trust_remote_code": "reward.trust_remote_code",
+    "custom_reward_function.path": "reward.path",
+    "custom_reward_function.name": "reward.function",
+    "custom_reward_function.reward_kwargs": "reward.kwargs",
+}
+
+_PLACEMENT = "placement, memory or speed only: what is computed is the same"
+# Keys (or key prefixes ending in ".") that change where or how fast things run, not the results.
+IGNORED: dict[str, str] = {
+    AA + "fsdp_config.": _PLACEMENT, REF + "fsdp_config.": _PLACEMENT, "critic.model.fsdp_config.": _PLACEMENT,
+    "critic.fsdp_config.": _PLACEMENT, "reward_model.model.fsdp_config.": _PLACEMENT,
+    AA + "checkpoint.": "what a checkpoint holds: rlx saves what a resume needs",
+    "critic.checkpoint.": "what a checkpoint holds: rlx saves what a resume needs",
+    AA + "use_torch_compile": _PLACEMENT, AA + "entropy_from_logits_with_chunking": _PLACEMENT,
+    AA + "entropy_checkpointing": _PLACEMENT, AA + "data_loader_seed": "rlx seeds everything from trainer.seed",
+    AA + "strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
+    "critic.strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
+    AA + "optim.total_training_steps": "filled in by verl at run time",
+    RO + "gpu_memory_utilization": _PLACEMENT, RO + "tensor_model_parallel_size": _PLACEMENT,
+    RO + "enforce_eager": _PLACEMENT, RO + "free_cache_engine": _PLACEMENT, RO + "load_format": _PLACEMENT,
+    RO + "max_num_batched_tokens": _PLACEMENT, RO + "max_num_seqs": _PLACEMENT,
+    RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT, RO + "mode": _PLACEMENT,
+    RO + "dtype": _PLACEMENT, RO + "prompt_length": "rlx takes it from data.max_prompt_length",
+    RO + "response_length": "rlx takes it from data.max_response_length",
+    RO + "calculate_log_probs": "rlx always keeps the engine's log-probs",
+    MODEL + "use_shm": _PLACEMENT, MODEL + "use_fused_kernels": _PLACEMENT,
+    "critic.model.enable_gradient_checkpointing": "rlx has one switch for every model: model.gradient_checkpointing",
+    "critic.model.tokenizer_path": "the critic uses the policy's tokenizer",
+    "reward_model.model.input_tokenizer": "rlx's reward model reads text, through its own chat template",
+    "data.truncation": "rlx never truncates a prompt: it drops it (filter_overlong_prompts) or fails",
+    "data.return_raw_chat": "rlx always formats prompts from the chat messages",
+    "data.return_full_prompt": "rlx always formats prompts from the chat messages",
+    "data.dataloader_num_workers": _PLACEMENT,
+    "trainer.logger": "", "trainer.n_gpus_per_node": "", "trainer.nnodes": "",
+    "trainer.balance_batch": _PLACEMENT, "trainer.ray_wait_register_center_timeout": _PLACEMENT,
+    "trainer.log_val_generations": "logging only",
+    "trainer.del_local_ckpt_after_load": "", "trainer.profile_steps": _PLACEMENT, "global_profiler.": _PLACEMENT,
+    "ray_kwargs.": _PLACEMENT, "ray_init.": _PLACEMENT, "trainer.device": "",
+    "reward_model.enable": "",
+}
+
+# verl's defaults where rlx's differ, written into the translation when the verl source leaves them out.
+VERL_DEFAULTS: dict[str, Any] = {
+    "data.train_batch_size": 1024,
+    "actor.ppo_mini_batch_size": 256,
+    "rollout.n": 1,
+    "trainer.total_epochs": 30,
+    "trainer.val_before_train": True,
+    "trainer.save_freq": 0,
+    "algorithm.use_kl_loss": False,
+    "data.filter_overlong_prompts": False,
+}
+
+
+def _core_or_option_key_exists(key: str, settings: dict[str, Any], pm: Any) -> bool:
+    """Whether rlx has ``key``: a field of the core config, or an option of the plugin its section names."""
+    from pydantic import BaseModel
+
+    from rlx.config import RLXConfig
+    from rlx.validate import COMPONENT_SECTIONS
+
+    parts = key.split(".")
+    model: Any = RLXConfig
+    for i, part in enumerate(parts):
+        fields = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
+        if part in fields:
+            model = fields[part].annotation
+            continue
+        if i == 1 and parts[0] in COMPONENT_SECTIONS and pm is not None:
+            default = RLXConfig.model_fields[parts[0]].default_factory().name  # type: ignore[misc]
+            name = settings.get(f"{parts[0]}.name", default)
+            try:
+                options = pm.get(COMPONENT_SECTIONS[parts[0]], name).load_config_model()
+            except Exception:
+                return False
+            return options is not None and part in options.model_fields
+        return False
+    return True
+
+
+def _algorithm_for(estimator: str) -> tuple[str, str | None]:
+    """verl's ``algorithm.adv_estimator`` -> (rlx algorithm, rlx adv_estimator or None)."""
+    named = {"grpo": "grpo", "gae": "ppo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
+             "remax": "remax"}
+    if estimator in named:
+        return named[estimator], None
+    return "grpo", estimator
+
+
+def _save_freq(value: Any, t: Translation) -> None:
+    if isinstance(value, int) and value <= 0:
+        t.notes.append(f"trainer.save_freq={value}: verl saves nothing; rlx writes that as trainer.save_freq=0")
+        value = 0
+    t.set("trainer.save_freq", value, "trainer.save_freq")
+
+
+def _loggers(value: Any, t: Translation) -> None:
+    names = [value] if isinstance(value, str) else list(value or [])
+    out = []
+    for name in names:
+        rlx_name = {"file": "jsonl"}.get(str(name), str(name))
+        if rlx_name not in out:
+            out.append(rlx_name)
+    if "jsonl" not in out:
+        out.append("jsonl")  # metrics.jsonl: what rlx plot and rlx replay read
+    t.set("trainer.loggers", out, "trainer.logger")
+
+
+def _output_dir(value: Any, t: Translation) -> None:
+    text = str(value).replace("${trainer.project_name}", "{project}").replace("${trainer.experiment_name}",
+                                                                             "{experiment}")
+    if "${" in text:
+        raise _Unmapped(f"an interpolation rlx cannot resolve: {value}")
+    t.set("trainer.output_dir", text, "trainer.default_local_dir")
+
+
+def _resume(value: Any, t: Translation) -> None:
+    modes = {"auto": "auto", "disable": "never"}
+    if value not in modes:
+        raise _Unmapped("rlx resumes from its own run folder's checkpoints (trainer.resume=auto|never|must)")
+    t.set("trainer.resume", modes[value], "trainer.resume_mode")
+
+
+def _total_steps(value: Any, t: Translation) -> None:
+    if value is None:
+        raise _Ignored("null: the epochs decide")
+    t.set("trainer.total_steps", value, "trainer.total_training_steps")
+
+
+def _lora_rank(value: Any, t: Translation) -> None:
+    if not value:
+        raise _Ignored("0: no LoRA, the whole model trains")
+    t.set("model.lora_rank", value, MODEL + "lora_rank")
+
+
+def _warmup_steps(value: Any, t: Translation) -> None:
+    if isinstance(value, int) and value < 0:
+        raise _Ignored("negative: verl then uses lr_warmup_steps_ratio")
+    t.set("actor.optim.warmup_steps", value, AA + "optim.lr_warmup_steps")
+
+
+def _warmup_ratio(value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    if not value:
+        raise _Ignored("0: no warm-up")
+    steps = verl.get("trainer.total_training_steps")
+    if not isinstance(steps, int):
+        raise _Unmapped("a fraction of the total steps, which rlx knows only with trainer.total_training_steps; "
+                        "give actor_rollout_ref.actor.optim.lr_warmup_steps instead")
+    t.set("actor.optim.warmup_steps", int(float(value) * steps), AA + "optim.lr_warmup_steps_ratio")
+
+
+def _schedule(value: Any, t: Translation, source: str) -> None:
+    if value not in ("constant", "cosine", "linear"):
+        raise _Unmapped("rlx's schedules are constant, cosine and linear")
+    t.set("actor.optim.lr_schedule", value, source)
+
+
+def _val_do_sample(value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    if value is False:
+        t.set("rollout.val_temperature", 0.0, RO + "val_kwargs.do_sample")
+    elif RO + "val_kwargs.temperature" not in verl:
+        raise _Unmapped("sampling during validation at verl's default temperature; give val_kwargs.temperature")
+
+
+def _micro_batch(value: Any, key: str, t: Translation, source: str, note: str) -> None:
+    """Log-prob micro-batches: rlx has one size for the actor's and the reference's passes; a micro-batch
+    changes memory, not results, so the smaller of verl's sizes is kept."""
+    if value is None:
+        raise _Ignored("null")
+    if key in t.settings and t.settings[key] != value:
+        kept = min(int(t.settings[key]), int(value))
+        t.notes.append(f"{note}: verl gives {t.settings[key]} ({t.sources[key]}) and {value} ({source}); rlx has "
+                       f"one size and uses the smaller, {kept} (micro-batches change memory, not results)")
+        t.set(key, kept, f"{t.sources[key]}, {source}")
+        return
+    t.set(key, value, source)
+
+
+def _dynamic_log_prob(value: Any, t: Translation, verl: dict[str, Any], source: str) -> None:
+    actor = verl.get(AA + "use_dynamic_bsz", False)
+    if bool(value) != bool(actor):
+        t.notes.append(f"{source}={value}: rlx's log-prob passes follow actor.use_dynamic_bsz ({actor}); "
+                       "this changes memory, not results")
+    raise _Ignored("follows actor.use_dynamic_bsz")
+
+
+def _deprecated_global(value: Any) -> None:
+    if value is None:
+        raise _Ignored("null")
+    raise _Unmapped("a global micro-batch size; give the *_per_gpu key instead")
+
+
+def _critic_mini_batch(value: Any, verl: dict[str, Any]) -> None:
+    actor = verl.get(AA + "ppo_mini_batch_size", value)
+    if value != actor:
+        raise _Unmapped(f"rlx's critic uses the actor's mini-batch ({actor})")
+    raise _Ignored("equal to the actor's, which rlx's critic uses")
+
+
+def _rollout_name(value: Any, t: Translation, pm: Any) -> None:
+    available = {n for (k, n) in pm.components() if k == "rollout"} if pm is not None else {"hf"}
+    if value in available:
+        t.set("rollout.name", value, RO + "name")
+        return
+    t.notes.append(f"{RO}name={value}: no rlx rollout engine of that name is installed here; the run uses "
+                   "'hf' (the engine changes speed, not the distribution sampled from)")
+    t.set("rollout.name", "hf", RO + "name")
+
+
+def _only_if(value: Any, fine: Any, why: str) -> None:
+    if value != fine:
+        raise _Unmapped(why)
+    raise _Ignored(f"{fine!r} is what rlx does")
+
+
+def _adv_estimator(value: Any, t: Translation) -> None:
+    algorithm, estimator = _algorithm_for(str(value))
+    t.set("algorithm.name", algorithm, "algorithm.adv_estimator")
+    if estimator is not None:
+        t.set("algorithm.adv_estimator", estimator, "algorithm.adv_estimator")
+    if value == "gae":
+        t.notes.append("algorithm.adv_estimator=gae: rlx's ppo algorithm (GAE with a critic)")
+
+
+Special = Callable[[Any, Translation, dict[str, Any], Any], None]
+SPECIAL: dict[str, Special] = {
+    "algorithm.adv_estimator": lambda v, t, verl, pm: _adv_estimator(v, t),
+    "trainer.save_freq": lambda v, t, verl, pm: _save_freq(v, t),
+    "trainer.logger": lambda v, t, verl, pm: _loggers(v, t),
+    "trainer.default_local_dir": lambda v, t, verl, pm: _output_dir(v, t),
+    "trainer.resume_mode": lambda v, t, verl, pm: _resume(v, t),
+    "trainer.total_training_steps": lambda v, t, verl, pm: _total_steps(v, t),
+    "trainer.total_epochs": lambda v, t, verl, pm: t.set("trainer.total_epochs", v, "trainer.total_epochs"),
+    MODEL + "lora_rank": lambda v, t, verl, pm: _lora_rank(v, t),
+    AA + "optim.lr_warmup_steps": lambda v, t, verl, pm: _warmup_steps(v, t),
+    AA + "optim.lr_warmup_steps_ratio": lambda v, t, verl, pm: _warmup_ratio(v, t, verl),
+    AA + "optim.warmup_style": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.warmup_style"),
+    AA + "optim.lr_scheduler_type": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.lr_scheduler_type"),
+    RO + "val_kwargs.do_sample": lambda v, t, verl, pm: _val_do_sample(v, t, verl),
+    RO + "name": lambda v, t, verl, pm: _rollout_name(v, t, pm),
+    RO + "log_prob_micro_batch_size_per_gpu": lambda v, t, verl, pm: _micro_batch(
+        v, "actor.log_prob_micro_batch_size_per_device", t, RO + "log_prob_micro_batch_size_per_gpu",
+        "log-prob micro-batch"),
+    REF + "log_prob_micro_batch_size_per_gpu": lambda v, t, verl, pm: _micro_batch(
+        v, "actor.log_prob_micro_batch_size_per_device", t, REF + "log_prob_micro_batch_size_per_gpu",
+        "log-prob micro-batch"),
+    RO + "log_prob_max_token_len_per_gpu": lambda v, t, verl, pm: _micro_batch(
+        v, "actor.log_prob_max_token_len_per_gpu", t, RO + "log_prob_max_token_len_per_gpu", "log-prob token budget"),
+    REF + "log_prob_max_token_len_per_gpu": lambda v, t, verl, pm: _micro_batch(
+        v, "actor.log_prob_max_token_len_per_gpu", t, REF + "log_prob_max_token_len_per_gpu", "log-prob token budget"),
+    RO + "log_prob_use_dynamic_bsz": lambda v, t, verl, pm: _dynamic_log_prob(v, t, verl,
+                                                                              RO + "log_prob_use_dynamic_bsz"),
+    REF + "log_prob_use_dynamic_bsz": lambda v, t, verl, pm: _dynamic_log_prob(v, t, verl,
+                                                                               REF + "log_prob_use_dynamic_bsz"),
+    AA + "ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
+    RO + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
+    REF + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
+    "critic.ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
+    "critic.ppo_mini_batch_size": lambda v, t, verl, pm: _critic_mini_batch(v, verl),
+    "trainer.val_only": lambda v, t, verl, pm: _only_if(bool(v), False, "rlx validates during training only "
+                                                                        "(use rlx eval)"),
+    "reward_model.reward_manager": lambda v, t, verl, pm: _only_if(v, "naive", "rlx scores each response on its "
+                                                                             "own, as verl's naive manager"),
+}
+
+
+def _is_ignored(key: str) -> str | None:
+    for pattern, why in IGNORED.items():
+        if key == pattern or (pattern.endswith(".") and key.startswith(pattern)):
+            return why
+    return None
+
+
+def _reward(verl: dict[str, Any], t: Translation) -> None:
+    """verl's reward: the reward model's scores when enabled, else the custom function, else its rule
+    rewards chosen by each row's data_source (rlx's router)."""
+    if verl.get("reward_model.enable"):
+        t.set("reward.name", "reward_model", "reward_model.enable")
+        for key in [k for k in verl if k.startswith("custom_reward_function.")]:
+            t.unmapped.append((key, "verl uses the reward model's scores alone when reward_model.enable=True; "
+                                    "to combine both, use rlx's mix reward"))
+        return
+    if verl.get("custom_reward_function.path"):
+        t.set("reward.name", "custom", "custom_reward_function.path")
+        return
+    t.set("reward.name", "router", "verl default")
+    t.notes.append("no reward model or custom function: verl scores by each row's data_source, as rlx's router "
+                   "reward does")
+
+
+def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
+    """The rlx settings for a verl command line, YAML path, or dict of verl keys."""
+    verl = read_verl_source(source) if isinstance(source, str) else dict(source)
+    t = Translation()
+    if "algorithm.adv_estimator" not in verl:
+        t.set("algorithm.name", "ppo", "verl default")
+        t.notes.append("no algorithm.adv_estimator: verl's default is gae, rlx's ppo algorithm")
+    _reward(verl, t)
+    if int(verl.get("trainer.nnodes", 1) or 1) > 1:
+        t.set("launcher.name", "ray", "trainer.nnodes")
+    gpus = int(verl.get("trainer.n_gpus_per_node", 1) or 1) * int(verl.get("trainer.nnodes", 1) or 1)
+    if gpus > 1:
+        t.set("launcher.nproc", gpus, "trainer.n_gpus_per_node x trainer.nnodes")
+    device = verl.get("trainer.device")
+    if device not in (None, "cuda", "cpu"):
+        t.unmapped.append(("trainer.device", f"rlx runs on cuda or cpu, not {device}"))
+    elif device is not None:
+        t.set("trainer.device", device, "trainer.device")
+
+    for key, value in verl.items():
+        if key.startswith("~"):
+            t.unmapped.append((key, "Hydra key deletion"))
+            continue
+        try:
+            if key in SPECIAL:
+                SPECIAL[key](value, t, verl, pm)
+            elif key in DIRECT:
+                target = DIRECT[key]
+                if key.startswith("reward_model.") and not verl.get("reward_model.enable"):
+                    raise _Ignored("reward_model.enable is not true")
+                if key.startswith("custom_reward_function.") and t.settings.get("reward.name") != "custom":
+                    continue  # reported by _reward
+                if key.startswith("critic.") and t.settings.get("algorithm.name") != "ppo" \
+                        and verl.get("algorithm.adv_estimator", "gae") != "gae":
+                    raise _Ignored("no critic: the algorithm does not use one")
+                if not _core_or_option_key_exists(target, t.settings, pm):
+                    raise _Unmapped(f"this rlx has no {target}")
+                t.set(target, value, key)
+            else:
+                why = _is_ignored(key)
+                if why is None:
+                    raise _Unmapped("no rlx counterpart")
+                if why:
+                    t.ignored.append((key, why))
+        except _Ignored as exc:
+            t.ignored.append((key, str(exc)))
+        except _Unmapped as exc:
+            t.unmapped.append((key, str(exc)))
+
+    for key, value in VERL_DEFAULTS.items():
+        if key not in t.settings:
+            t.set(key, value, "verl default")
+    if t.settings.get("rollout.val_temperature") is None and "rollout.val_temperature" in t.settings:
+        del t.settings["rollout.val_temperature"]
+    for key in ("model.lora_rank",):  # set by a converter: report it when this rlx lacks it
+        if key in t.settings and not _core_or_option_key_exists(key, t.settings, pm):
+            t.unmapped.append((t.sources.pop(key), f"this rlx has no {key}"))
+            del t.settings[key]
+    _check_epochs(t)
+    return t
+
+
+def _check_epochs(t: Translation) -> None:
+    if "trainer.total_steps" not in t.settings:
+        t.notes.append(f"trainer.total_epochs={t.settings['trainer.total_epochs']}: as in verl, one step per "
+                       "data.train_batch_size prompts and an epoch's last, partial batch left out")
