@@ -172,3 +172,22 @@ def test_models_that_transform_the_logits_keep_the_plain_path(wide_model):
     assert fused_head_supported(model)
     model.config.final_logit_softcapping = 30.0  # Gemma 2's tanh cap after lm_head
     assert not fused_head_supported(model)
+
+
+def test_chunked_head_under_autocast_computes_in_its_dtype():
+    """float32 master weights under bf16 autocast (a trained role on a GPU; here the CPU's autocast): the
+    logits are bf16 products as autocast's own linear layer makes them, gradients reach the float32 leaves."""
+    hidden, weight, bias, targets, g_lp, g_ent = leaves()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = grads_of(lambda h, w, b, t: plain(h, w, b, t, 1.0), hidden, weight, bias, targets, g_lp, g_ent,
+                        ("lp", "ent"))
+        got = grads_of(lambda h, w, b, t: chunked_head(h, w, b, t, 1.0, 4), hidden, weight, bias, targets, g_lp,
+                       g_ent, ("lp", "ent"))
+    exact = grads_of(lambda h, w, b, t: plain(h, w, b, t, 1.0), hidden, weight, bias, targets, g_lp, g_ent,
+                     ("lp", "ent"))
+    torch.testing.assert_close(got[0], want[0], atol=1e-3, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=0)
+    assert float((got[0] - exact[0]).abs().max()) > 1e-4  # bf16 products, not float32 ones
+    for g, w in zip(got[2], want[2]):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=2e-2 * float(w.abs().max()), rtol=0)
