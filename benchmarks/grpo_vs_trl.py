@@ -29,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlx import hookimpl
+
 PROMPT_TOKENS, RESPONSE_TOKENS, PROMPTS, SAMPLES = 214, 256, 8, 8
 VOCAB = 151_936
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -133,7 +135,7 @@ def profile(engine: Any, prompts: Any, params: Any, path: Path) -> None:
     print("\n".join(table.splitlines()[:20]), flush=True)
 
 
-def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str], profile_dir: Path | None) -> None:
+def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profile_dir: Path | None) -> None:
     """rlx's engine (each compile mode, and the plain dynamic-cache loop) against transformers' static cache +
     torch.compile ``generate``, on the same 64 x 256 tokens; log-prob agreement with the training forward."""
     import torch
@@ -154,8 +156,9 @@ def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str], p
         mask = out["response_mask"].bool().cuda()
         return float((lp - out["rollout_log_probs"].cuda()).abs()[mask].mean())
 
-    variants = [("static", {"compile": mode}) for mode in compile_modes] + [("dynamic", {"decoder": "dynamic"})]
-    for name, options in variants:
+    engines = [("dynamic", {"decoder": "dynamic"}) if mode == "dynamic" else ("static", {"compile": mode})
+               for mode in variants]
+    for name, options in engines:
         label = f"gen/rlx_{name}" + (f"_{options['compile']}" if "compile" in options else "")
         try:
             fresh_peak()
@@ -201,8 +204,32 @@ def bench_generation(model_dir: Path, tok_dir: Path, compile_modes: list[str], p
 
 
 # -- GRPO steps -----------------------------------------------------------------------------------------
+class StepProfiler:
+    """A plugin that profiles the last training step (top kernels, and the memory held between steps)."""
+
+    def __init__(self, steps: int, path: Path) -> None:
+        self.steps, self.path = steps, path
+        self.prof: Any = None
+
+    @hookimpl
+    def rlx_on_step_end(self, step: int, metrics: Any) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.steps - 1:
+            record("rlx/memory_between_steps_gib", torch.cuda.memory_allocated() / 2**30)
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif step == self.steps and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            table = self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                                   max_name_column_width=70)
+            self.path.write_text(table)
+            print("\n".join(table.splitlines()[:24]), flush=True)
+
+
 def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str],
-              name: str = "rlx") -> None:
+              name: str = "rlx", profile_path: Path | None = None) -> None:
     from rlx.registry import get_plugin_manager
     from rlx.trainer import Trainer
     from rlx.validate import load_config
@@ -224,6 +251,8 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     ]
     print(f"{name} overrides: " + " ".join(overrides), flush=True)
     pm = get_plugin_manager()
+    if profile_path is not None:
+        pm.register(StepProfiler(steps, profile_path), name="benchmark-step-profiler")
     fresh_peak()
     start = time.perf_counter()
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
@@ -296,8 +325,11 @@ def main() -> None:
     ap.add_argument("--parts", default="trl,rlx,rlx_gc,gen",
                     help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
                     "as TRL's default), gen.")
-    ap.add_argument("--profile", action="store_true", help="Profile one generate call (top kernels).")
-    ap.add_argument("--compile-modes", default="off,default", help="rlx engine compile modes timed in 'gen'.")
+    ap.add_argument("--profile", action="store_true",
+                    help="Profile rlx's last step and one generate call (top kernels).")
+    ap.add_argument("--gen-variants", default="off,default,dynamic",
+                    help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
+                    "and dynamic (the plain decode loop).")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_args()
     import torch
@@ -311,9 +343,10 @@ def main() -> None:
         build_model(model_dir, tok_dir)
     texts = prompt_texts(PROMPTS * args.steps)
     data = write_data(args.out, texts)
-    sections = {"gen": lambda: bench_generation(model_dir, tok_dir, args.compile_modes.split(","),
+    sections = {"gen": lambda: bench_generation(model_dir, tok_dir, args.gen_variants.split(","),
                                                 args.out if args.profile else None),
-                "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides),
+                "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides,
+                                         profile_path=args.out / "step_profile.txt" if args.profile else None),
                 "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
                                             ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc"),
                 "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
