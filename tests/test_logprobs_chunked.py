@@ -191,3 +191,19 @@ def test_chunked_head_under_autocast_computes_in_its_dtype():
     for g, w in zip(got[2], want[2]):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=2e-2 * float(w.abs().max()), rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = chunked_head(hidden, weight, bias, targets, 1.0, 4)
+    with MatmulDtypes() as seen:  # the backward recomputes the logits and forms gradients in bf16 too
+        (lp * g_lp + ent * g_ent).sum().backward()
+    assert seen.dtypes == {torch.bfloat16}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
