@@ -8,7 +8,9 @@ data. Refer to them in a config as ``builtin:NAME``:
   given a short supervised *format* warm start when it is written (:func:`format_warm_start`): it
   replies to "What is a+b?" with a lone digit, each digit equally likely, so its accuracy is chance;
 - ``builtin:arith-train`` / ``builtin:arith-test``  single-digit addition prompts whose answers are
-  single digits ("What is 3+4?" -> "7"), every answer equally common, scored by the ``arith`` reward.
+  single digits ("What is 3+4?" -> "7"), every answer equally common, scored by the ``arith`` reward;
+- ``builtin:arith-pref-train`` / ``builtin:arith-pref-test``  preference pairs on the same questions for
+  ``rlx rm train``: the correct sum chosen, a wrong digit rejected (:func:`arith_pref_rows`).
 
 The warm start runs once, when the model is first written (about 5 s on one core), and is cached
 with the rest; delete the cache folder (:func:`cache_dir`) to write everything again.
@@ -32,7 +34,7 @@ CHAT_TEMPLATE = (
 # untrained model has wrong answers to unlearn.
 ALPHABET = list("0123456789+-=?.,:# abcdefghijklmnopqrstuvwxyzWAS\n")
 VOCAB_SIZE = 64
-RESOURCES = ("tiny-qwen2", "arith-train", "arith-test")
+RESOURCES = ("tiny-qwen2", "arith-train", "arith-test", "arith-pref-train", "arith-pref-test")
 VERSION = 2
 # Initial weights' std: HF's default of 0.02 suits wide models; at width 64 it leaves the attention
 # nearly uniform and its gradients tiny, and learning to read the question's digits stalls for hundreds
@@ -66,7 +68,8 @@ def resolve(ref: str) -> str:
     target = cache_dir() / (name if name == "tiny-qwen2" else f"{name}.parquet")
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        writer = _write_tiny_model if name == "tiny-qwen2" else _write_arith
+        writer = (_write_tiny_model if name == "tiny-qwen2"
+                  else _write_arith_pref if name.startswith("arith-pref-") else _write_arith)
         _atomic_write(target, lambda tmp: writer(tmp, name))
     return str(target)
 
@@ -197,4 +200,33 @@ def _write_arith(path: Path, name: str) -> None:
 
     split = name.split("-")[1]
     rows = arith_rows(split, 2048 if split == "train" else 100, seed=0 if split == "train" else 1)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def arith_pref_rows(split: str, count: int, seed: int) -> list[dict]:
+    """Preference pairs on the built-in questions: "What is a+b?" with the correct sum chosen and one of the
+    nine wrong digits rejected, both drawn uniformly, so neither the reply's digit alone nor the question
+    alone tells them apart: a reward model has to relate the reply to the question."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        total = rng.randrange(10)
+        a = rng.randrange(total + 1)
+        wrong = rng.choice([d for d in range(10) if d != total])
+        rows.append({
+            "prompt": [{"role": "user", "content": f"What is {a}+{total - a}?"}],
+            "chosen": str(total),
+            "rejected": str(wrong),
+            "data_source": "rlx/arith-pref",
+            "extra_info": {"split": split, "index": i},
+        })
+    return rows
+
+
+def _write_arith_pref(path: Path, name: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    split = name.rsplit("-", 1)[1]
+    rows = arith_pref_rows(split, 2048 if split == "train" else 200, seed=2 if split == "train" else 3)
     pq.write_table(pa.Table.from_pylist(rows), path)

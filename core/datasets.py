@@ -19,6 +19,7 @@ one, else the last ``\\boxed{}`` of ``solution``. Rows without a usable answer a
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -259,4 +260,181 @@ def prepare(name: str, out_dir: str, *, sources: list[str] | None = None, hub_pa
         target = Path(os.path.expanduser(out_dir)) / f"{split}.parquet"
         write_parquet(rows, target)
         reports.append(SplitReport(split, target, len(rows), skipped))
+    return reports
+
+
+# -- preference pairs ---------------------------------------------------------------------------
+# A preference row holds a prompt and two replies to it, ``chosen`` (preferred) and ``rejected``, in either
+# form that common sets use: plain text (the prompt a user message, each reply one assistant message), or
+# chat messages (``prompt`` the conversation so far, each reply the messages that follow it; a reply that
+# repeats the whole conversation, as UltraFeedback-binarized does, has the prompt's messages removed). With
+# no prompt column, two conversations share their first messages as the prompt (the implicit-prompt form).
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class PreferencePair:
+    prompt: Messages
+    chosen: Messages
+    rejected: Messages
+    margin: float = 0.0
+
+
+def _messages(value: Any, key: str, role: str) -> tuple[Messages | None, str | None]:
+    """``value`` as chat messages (text becomes one message of ``role``), or why it cannot be."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}], None
+    if isinstance(value, dict):  # one message given on its own
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return None, f"{key!r} must be text or a list of chat messages (got {type(value).__name__})"
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return None, f"{key}[{j}] must be {{'role': str, 'content': str}}"
+        out.append({"role": m["role"], "content": m["content"]})
+    return out, None
+
+
+def _strip_prefix(reply: Messages, prompt: Messages) -> Messages:
+    return reply[len(prompt):] if len(reply) > len(prompt) and reply[:len(prompt)] == prompt else reply
+
+
+def _shared_prefix(a: Messages, b: Messages) -> int:
+    n = 0
+    while n < min(len(a), len(b)) - 1 and a[n] == b[n]:  # each keeps at least its last message
+        n += 1
+    return n
+
+
+def preference_pair(row: Any, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                    rejected_key: str = "rejected", margin_key: str | None = None
+                    ) -> tuple[PreferencePair | None, list[str]]:
+    """The pair a preference row holds, or ``None`` and every reason it cannot be used (a missing or empty
+    side, identical replies, a malformed prompt or margin)."""
+    if not isinstance(row, dict):
+        return None, [f"row is a {type(row).__name__}, not a mapping"]
+    problems: list[str] = []
+    sides: dict[str, Messages] = {}
+    for key in (chosen_key, rejected_key):
+        value = row.get(key)
+        if value is None:
+            problems.append(f"missing {key!r}")
+            continue
+        msgs, why = _messages(value, key, "assistant")
+        if why:
+            problems.append(why)
+        elif msgs is not None:
+            sides[key] = msgs
+    raw_prompt = row.get(prompt_key)
+    prompt: Messages | None = None
+    if raw_prompt is not None:
+        prompt, why = _messages(raw_prompt, prompt_key, "user")
+        if why:
+            problems.append(why)
+        elif prompt is not None and not any(m["content"].strip() for m in prompt):
+            problems.append(f"{prompt_key!r} is empty")
+    elif len(sides) == 2 and all(isinstance(row.get(k), (list, tuple)) for k in sides):
+        c, r = sides[chosen_key], sides[rejected_key]
+        n = _shared_prefix(c, r)
+        prompt = c[:n]
+    else:
+        problems.append(f"missing {prompt_key!r} (needed unless {chosen_key!r} and {rejected_key!r} are whole "
+                        "conversations)")
+    if prompt is not None:
+        sides = {k: _strip_prefix(v, prompt) for k, v in sides.items()}
+    for key, msgs in sides.items():
+        if not any(m["content"].strip() for m in msgs):
+            problems.append(f"{key!r} is empty")
+    if len(sides) == 2 and sides[chosen_key] == sides[rejected_key]:
+        problems.append(f"{chosen_key!r} and {rejected_key!r} are identical (nothing to prefer)")
+    margin = 0.0
+    if margin_key is not None:
+        value = row.get(margin_key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"{margin_key!r} (the margin) must be a finite number (got {value!r})")
+        else:
+            margin = float(value)
+    if problems or prompt is None:
+        return None, problems
+    return PreferencePair(prompt, sides[chosen_key], sides[rejected_key], margin), []
+
+
+def is_preference_file(rows: list[Any], chosen_key: str = "chosen", rejected_key: str = "rejected") -> bool:
+    """Whether rows are preference pairs (they have a chosen or rejected column) rather than prompts."""
+    return any(isinstance(r, dict) and (chosen_key in r or rejected_key in r) for r in rows)
+
+
+@dataclass
+class PreferenceReport:
+    split: str
+    path: Path
+    written: int
+    dropped: dict[str, int]
+
+
+def _drop_reason(problems: list[str], sides: tuple[str, str]) -> str:
+    """The one reason a dropped row is counted under."""
+    for key in sides:
+        if f"missing {key!r}" in problems:
+            return "missing side"
+    for key in sides:
+        if f"{key!r} is empty" in problems:
+            return "empty side"
+    return "identical" if any("identical" in p for p in problems) else "malformed"
+
+
+def prepare_preference(out_dir: str, *, sources: list[str] | None = None, hub_path: str | None = None,
+                       data_source: str | None = None, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                       rejected_key: str = "rejected", margin_key: str | None = None,
+                       tokenizer: Any = None, max_length: int | None = None,
+                       limit: int | None = None) -> list[PreferenceReport]:
+    """Write ``out_dir/<split>.parquet`` of preference rows in rlx's form (``prompt`` chat messages, ``chosen``
+    and ``rejected`` the messages of each reply, ``margin`` when ``margin_key`` names one, ``data_source``)
+    from local files or a hub data set. Rows with a missing or empty side, identical replies or a bad shape
+    are dropped and counted per reason; with ``tokenizer`` and ``max_length``, so are pairs whose longer side
+    (chat template applied) is over ``max_length`` tokens."""
+    if not sources and not hub_path:
+        raise UserError("rlx data prepare preference needs the data: --source FILE_OR_FOLDER (parquet, JSONL or "
+                        "JSON with prompt/chosen/rejected) or --dataset HUB_ID.")
+    check_out_dir(out_dir)
+    if sources:
+        raw = read_sources(sources)
+    else:
+        recipe = Recipe("preference", str(hub_path), None, str(hub_path), "", lambda r: None)
+        raw = read_hub(recipe, hub_path)
+    source = data_source or (hub_path if hub_path else "preference")
+    reports = []
+    for split, records in sorted(raw.items()):
+        rows: list[dict[str, Any]] = []
+        dropped: dict[str, int] = {}
+        for record in records:
+            pair, problems = preference_pair(record, prompt_key=prompt_key, chosen_key=chosen_key,
+                                             rejected_key=rejected_key, margin_key=margin_key)
+            reason = _drop_reason(problems, (chosen_key, rejected_key)) if pair is None else None
+            if pair is not None and tokenizer is not None and max_length is not None:
+                from rlx.reward_modeling import conversation_ids
+
+                longest = max(len(conversation_ids(tokenizer, pair.prompt, side))
+                              for side in (pair.chosen, pair.rejected))
+                reason = "over-long" if longest > max_length else None
+            if reason is not None or pair is None:
+                dropped[reason or "malformed"] = dropped.get(reason or "malformed", 0) + 1
+                continue
+            row: dict[str, Any] = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
+                                   "data_source": source}
+            if margin_key is not None:
+                row["margin"] = pair.margin
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+        if not rows:
+            why = ", ".join(f"{n} {r}" for r, n in dropped.items()) or "no records"
+            raise UserError(f"preference {split}: none of the {len(records)} records is a usable pair ({why}).",
+                            f"Each record needs {chosen_key!r} and {rejected_key!r} replies that differ, and a "
+                            f"{prompt_key!r} (text or chat messages); name other columns with --prompt-key, "
+                            "--chosen-key, --rejected-key.")
+        target = Path(os.path.expanduser(out_dir)) / f"{split}.parquet"
+        write_parquet(rows, target)
+        reports.append(PreferenceReport(split, target, len(rows), dropped))
     return reports
