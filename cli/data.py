@@ -17,7 +17,7 @@ app = typer.Typer(help="Prepare, validate and inspect training data (parquet in 
 
 @app.command("prepare")
 def prepare(
-    name: Annotated[str, typer.Argument(help="Data set: gsm8k or math.")],
+    name: Annotated[str, typer.Argument(help="Data set: gsm8k, math or preference.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for <split>.parquet.")],
     source: Annotated[list[str] | None, typer.Option(
         "--source", help="Local copy in the original layout instead of the hub: FILE, SPLIT=FILE or a folder "
@@ -29,8 +29,32 @@ def prepare(
     data_source: Annotated[str | None, typer.Option(
         "--data-source", help="The rows' data_source (default: the data set's hub id).")] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many rows per split.")] = None,
+    prompt_key: Annotated[str, typer.Option("--prompt-key", help="preference: column of the prompt.")] = "prompt",
+    chosen_key: Annotated[str, typer.Option("--chosen-key", help="preference: column of the preferred reply.")]
+    = "chosen",
+    rejected_key: Annotated[str, typer.Option("--rejected-key", help="preference: column of the other reply.")]
+    = "rejected",
+    margin_key: Annotated[str | None, typer.Option(
+        "--margin-key", help="preference: column of a per-pair margin, written as 'margin'.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="preference: tokenizer (with its chat template) to measure pairs with --max-length.")]
+    = None,
+    max_length: Annotated[int | None, typer.Option(
+        "--max-length", min=1, help="preference: drop (and count) pairs with a side longer than this many tokens "
+                                    "(needs --tokenizer).")] = None,
 ) -> None:
-    """Write train/test parquet files for GSM8K (answer after ####) or a boxed-answer math set."""
+    """Write train/test parquet files for GSM8K (answer after ####), a boxed-answer math set, or preference
+    pairs (`preference`: prompt/chosen/rejected from --source files or a --dataset hub id)."""
+    if name == "preference":
+        _prepare_preference(out, source, dataset, data_source, limit, prompt_key, chosen_key, rejected_key,
+                            margin_key, tokenizer, max_length)
+        return
+    given = [flag for flag, value, default in (
+        ("--prompt-key", prompt_key, "prompt"), ("--chosen-key", chosen_key, "chosen"),
+        ("--rejected-key", rejected_key, "rejected"), ("--margin-key", margin_key, None),
+        ("--tokenizer", tokenizer, None), ("--max-length", max_length, None)) if value != default]
+    if given:
+        raise UserError(f"{', '.join(given)}: only for `rlx data prepare preference`.")
     from rlx.datasets import prepare as run
 
     reports = run(name, out, sources=source, hub_path=dataset, instruction=instruction, data_source=data_source,
@@ -45,6 +69,38 @@ def prepare(
         typer.echo(f"Train with: rlx train --reward {'gsm8k' if name == 'gsm8k' else 'math'} {hint}")
 
 
+def _prepare_preference(out: str, source: list[str] | None, dataset: str | None, data_source: str | None,
+                        limit: int | None, prompt_key: str, chosen_key: str, rejected_key: str,
+                        margin_key: str | None, tokenizer: str | None, max_length: int | None) -> None:
+    from rlx.datasets import prepare_preference
+
+    if (tokenizer is None) != (max_length is None):
+        raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
+    tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
+    reports = prepare_preference(out, sources=source, hub_path=dataset, data_source=data_source,
+                                 prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key,
+                                 margin_key=margin_key, tokenizer=tok, max_length=max_length, limit=limit)
+    for r in reports:
+        dropped = f" (dropped: {', '.join(f'{n} {why}' for why, n in sorted(r.dropped.items()))})" if r.dropped \
+            else ""
+        typer.echo(f"{r.split}: {r.written} pairs -> {r.path}{dropped}")
+    files = {r.split: r.path for r in reports}
+    train, val = files.get("train"), files.get("test") or files.get("validation")
+    if train is not None:
+        margin = " data.margin_key=margin" if margin_key else ""
+        typer.echo(f"Train a reward model with: rlx rm train --model MODEL data.train_files={train}"
+                   + (f" data.val_files={val}" if val else "") + margin)
+
+
+def _load_tokenizer(ref: str) -> Any:
+    from rlx.cli.main import _quiet_libraries
+    from rlx.data import resolve_path
+    from rlx.models import load_tokenizer
+
+    _quiet_libraries()
+    return load_tokenizer(resolve_path(ref), False, key="--tokenizer", require_chat_template=False)
+
+
 def _read(file: str) -> list[Any]:
     from rlx.data import read_rows
 
@@ -53,22 +109,80 @@ def _read(file: str) -> list[Any]:
         raise UserError(f"{file}: that is a folder; give a parquet file.")
     if not path.is_file():
         raise UserError(f"{file}: no such file.")
+    if path.suffix in (".jsonl", ".json"):  # preference pairs may come as JSON lines
+        from rlx.datasets import is_preference_file, read_records
+
+        rows = read_records(path)
+        if rows and not is_preference_file(rows):
+            raise UserError(f"{file}: prompt files must be parquet (JSON and JSONL are read for preference pairs "
+                            "only).", "`rlx data prepare` writes parquet files.")
+        return rows
     return read_rows([str(path)])
+
+
+def _preference_problems(rows: list[Any], prompt_key: str, chosen_key: str, rejected_key: str,
+                         margin_key: str | None, tok: Any, max_length: int | None
+                         ) -> tuple[list[tuple[int, list[str]]], int]:
+    """Bad preference rows (index, reasons) and the count of usable pairs with a side over ``max_length``."""
+    from rlx.datasets import preference_pair
+
+    bad, overlong = [], 0
+    for i, row in enumerate(rows):
+        pair, problems = preference_pair(row, prompt_key=prompt_key, chosen_key=chosen_key,
+                                         rejected_key=rejected_key, margin_key=margin_key)
+        if pair is None:
+            bad.append((i, problems))
+        elif tok is not None and max_length is not None:
+            from rlx.reward_modeling import conversation_ids
+
+            if max(len(conversation_ids(tok, pair.prompt, side)) for side in (pair.chosen, pair.rejected)) \
+                    > max_length:
+                overlong += 1
+    return bad, overlong
 
 
 @app.command("validate")
 def validate(
-    files: Annotated[list[str], typer.Argument(help="Parquet files to check.")],
+    files: Annotated[list[str], typer.Argument(help="Parquet files to check (preference pairs also JSONL/JSON).")],
     prompt_key: Annotated[str, typer.Option("--prompt-key", help="Column of the chat messages.")] = "prompt",
+    chosen_key: Annotated[str, typer.Option("--chosen-key", help="Preference pairs: the preferred reply.")]
+    = "chosen",
+    rejected_key: Annotated[str, typer.Option("--rejected-key", help="Preference pairs: the other reply.")]
+    = "rejected",
+    margin_key: Annotated[str | None, typer.Option("--margin-key", help="Preference pairs: a margin column to "
+                                                                        "check (finite numbers).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Preference pairs: tokenizer (with its chat template) to count pairs over --max-length.")]
+    = None,
+    max_length: Annotated[int | None, typer.Option(
+        "--max-length", min=1, help="Preference pairs: count those with a side longer than this many tokens "
+                                    "(rlx rm train drops them; needs --tokenizer).")] = None,
 ) -> None:
-    """Report every row that training could not use (index and reason); exit status 2 if there is one."""
-    from rlx.data import row_problems
+    """Report every row that training could not use (index and reason); exit status 2 if there is one.
 
+    Files whose rows have chosen/rejected are checked as preference pairs (a missing or empty side,
+    identical replies, a bad prompt or margin); with --tokenizer and --max-length the over-long pairs are
+    counted too (not an error: rlx rm train drops them and says how many)."""
+    from rlx.data import row_problems
+    from rlx.datasets import is_preference_file
+
+    if (tokenizer is None) != (max_length is None):
+        raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
+    tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     bad_total = rows_total = 0
     empty: list[str] = []
+    preference = False
     for file in files:
         rows = _read(file)
-        bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
+        if is_preference_file(rows, chosen_key, rejected_key):
+            preference = True
+            bad, overlong = _preference_problems(rows, prompt_key, chosen_key, rejected_key, margin_key, tok,
+                                                 max_length)
+            if overlong:
+                typer.echo(f"{file}: {overlong} pairs have a side longer than {max_length} tokens "
+                           "(rlx rm train drops them)")
+        else:
+            bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
         rows_total += len(rows)
         bad_total += len(bad)
         for i, problems in bad:
@@ -82,9 +196,11 @@ def validate(
         found = [f"{bad_total} of {rows_total} rows are not usable (listed above)"] if bad_total else []
         if empty:
             found.append(f"{len(empty)} file{'s have' if len(empty) != 1 else ' has'} no rows ({', '.join(empty)})")
-        raise UserError("; ".join(found) + ".",
-                        "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
-                        "`rlx data prepare` writes files in this shape.")
+        shape = (f"Each preference row needs {prompt_key!r} (text or chat messages) and {chosen_key!r} / "
+                 f"{rejected_key!r} replies that differ; `rlx data prepare preference` drops the rows that do not."
+                 if preference else "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
+                 "`rlx data prepare` writes files in this shape.")
+        raise UserError("; ".join(found) + ".", shape)
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:

@@ -14,9 +14,14 @@ from rlx.errors import UserError
 
 
 def eval_command(
-    model: Annotated[str, typer.Option("--model", help="Model folder or hub id (or builtin:tiny-qwen2).")],
-    data: Annotated[list[str], typer.Option("--data", help="Parquet file of prompts (verl's row shape). "
-                                                            "Repeatable.")],
+    data: Annotated[list[str], typer.Option("--data", help="Parquet file of prompts (verl's row shape), or of "
+                                                            "preference pairs with --reward-model. Repeatable.")],
+    model: Annotated[str | None, typer.Option("--model", help="Model folder or hub id (or builtin:tiny-qwen2).")]
+    = None,
+    reward_model: Annotated[str | None, typer.Option(
+        "--reward-model", help="Instead of --model: the pairwise accuracy of this reward model (a folder written "
+                               "by `rlx rm train`, or any one-output sequence classifier) on the preference "
+                               "pairs of --data (prompt/chosen/rejected).")] = None,
     reward: Annotated[str | None, typer.Option(
         "--reward", help="Reward plugin (default: router, which picks one per data_source).")] = None,
     n: Annotated[int, typer.Option("--n", min=1, help="Responses sampled per prompt.")] = 1,
@@ -42,7 +47,8 @@ def eval_command(
     overrides: Annotated[list[str] | None, typer.Argument(
         help="Dotted overrides, e.g. reward.on_error=zero data.max_prompt_length=1024", show_default=False)] = None,
 ) -> None:
-    """Evaluate a model: accuracy, mean@n, pass@k and majority@n per data source, as a table and as JSON."""
+    """Evaluate a model: accuracy, mean@n, pass@k and majority@n per data source, as a table and as JSON.
+    With --reward-model: a reward model's pairwise accuracy on held-out preference pairs."""
     from rlx.cli.main import _pm, _quiet_libraries
     from rlx.config import build_raw, set_dotted
     from rlx.validate import resolve
@@ -53,6 +59,16 @@ def eval_command(
     for flag, target in (("--output", output), ("--samples", samples)):
         if target:
             check_output_file(target, flag)
+    if reward_model is not None:
+        if model is not None:
+            raise UserError("--model and --reward-model: give one (a policy to generate with, or a reward model "
+                            "to score preference pairs with).")
+        eval_reward_model(reward_model, data, as_json=as_json, output=output, batch_size=batch_size or 8,
+                          overrides=list(overrides or []))
+        return
+    if model is None:
+        raise UserError("--model is missing: the model to evaluate (or --reward-model PATH for a reward model's "
+                        "pairwise accuracy on preference pairs).")
     raw = build_raw(preset=preset, config_file=config, shortcuts={"model": model, "reward": reward},
                     overrides=list(overrides or []))
     set_dotted(raw, "data.train_files", list(data))  # unused, but a run config needs training data
@@ -164,3 +180,39 @@ def print_table(result: dict[str, Any]) -> None:
     Console().print(table)
     if result["dropped_overlong_prompts"]:
         typer.echo(f"{result['dropped_overlong_prompts']} prompts longer than data.max_prompt_length were left out.")
+
+
+def eval_reward_model(path: str, data: list[str], *, as_json: bool, output: str | None, batch_size: int,
+                      overrides: list[str]) -> None:
+    """Pairwise accuracy, loss, margin and mean rewards of a reward model on preference files. Overrides name
+    the pair columns (data.chosen_key=..., data.margin_key=...), as for `rlx rm train`."""
+    from pydantic import ValidationError
+
+    from rlx.cli.main import _quiet_libraries
+    from rlx.config import format_validation_error, parse_override
+    from rlx.errors import ConfigError
+    from rlx.rm_config import RMDataConfig
+
+    given: dict[str, Any] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        if not key.startswith("data.") or key.count(".") != 1:
+            raise UserError(f"{text}: with --reward-model only the data.* keys of the pair columns apply "
+                            "(data.prompt_key, data.chosen_key, data.rejected_key, data.margin_key).")
+        given[key.split(".", 1)[1]] = value
+    try:
+        data_cfg = RMDataConfig.model_validate(given)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, RMDataConfig, prefix="data")) from None
+    _quiet_libraries()
+    from rlx.reward_modeling import evaluate_reward_model
+
+    result = evaluate_reward_model(path, list(data), data_cfg, batch_size=batch_size)
+    if output:
+        Path(os.path.expanduser(output)).write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(f"{path} on {', '.join(data)}: {result['pairs']} pairs")
+    typer.echo(f"  pairwise accuracy {result['accuracy']:.4f}  loss {result['loss']:.4f}  "
+               f"margin {result['margin']:.4f}  chosen {result['chosen']:.4f}  rejected {result['rejected']:.4f}")
