@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -47,13 +47,21 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new policy weights (full, unsharded tensors named as in the HF model)."""
+        """Load new policy weights (full, unsharded tensors named as in the HF model).
+
+        The launcher passes a generator that produces the tensors bucket by bucket (``rlx.weight_sync``),
+        on the actor's device or, from another process, as views of a received buffer: load each one as it
+        comes (copy it into the engine's own weights) rather than collecting them, so the model is never
+        held twice. Called while the engine is awake.
+        """
 
     def sleep(self) -> None:
-        """Free device memory (weights and KV cache) while training runs on the same device."""
+        """Free device memory (weights and KV cache) while training runs on the same device. Called when
+        the engine shares devices with training (``launcher.phase("train")``); on a device with nothing to
+        free it should do nothing."""
 
     def wake_up(self) -> None:
-        """Take back the memory freed by :meth:`sleep`."""
+        """Take back the memory freed by :meth:`sleep` (before new weights are loaded and before generating)."""
 
     def close(self) -> None: ...
 
@@ -311,8 +319,16 @@ class Launcher(Protocol):
 
     def create_group(self, role: str, build: Callable[[int, int], Any], where: str = "workers") -> WorkerGroup: ...
 
-    def transfer_weights(self, src: WorkerGroup, dst: WorkerGroup) -> None:
-        """Load the source role's current weights into the destination (actor -> rollout engine)."""
+    def transfer_weights(self, src: WorkerGroup, dst: WorkerGroup) -> Mapping[str, float]:
+        """Load the source role's current weights into the destination (actor -> rollout engine), in buckets;
+        returns the transfer's metrics (``weight_sync/bytes``, ``weight_sync/buckets``). Called in the
+        "generate" phase."""
+
+    def phase(self, name: Literal["generate", "train"]) -> Mapping[str, float]:
+        """Switch to the generate phase (before weights are loaded into the rollout engine and responses
+        generated) or the train phase (before the models compute): an engine that shares devices with
+        training wakes up or sleeps. Switching to the current phase does nothing. Returns the time taken
+        (``timing/wake_up``, ``timing/sleep``), empty when nothing was done."""
 
     def abort(self) -> None:
         """Stop every worker after an error (they may be blocked in a collective)."""

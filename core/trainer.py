@@ -5,6 +5,9 @@ One step::
     prompts -> rollout.generate (n per prompt) -> reward -> actor old log-probs -> ref log-probs
       -> advantages (driver) -> actor update (ppo_epochs x mini-batches x micro-batches)
       -> push actor weights to the rollout engine -> metrics -> loggers; validate / save on schedule
+
+Around generation the launcher switches phases (``launcher.phase``): "generate" before the engine takes new
+weights or generates (a colocated engine wakes up), "train" before the models compute (it sleeps).
 """
 
 from __future__ import annotations
@@ -211,6 +214,7 @@ class Trainer:
         try:
             if self.resume_from is not None:
                 self._load(self.resume_from)
+            self.launcher.phase("generate")
             self.launcher.transfer_weights(self.actor, self.rollout)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
             self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
@@ -257,6 +261,7 @@ class Trainer:
         batch, rollout_metrics = self._rollout(examples, timer)
         if not len(batch):  # dynamic sampling found nothing to train on within its limit
             return {**rollout_metrics, **timer.times, "timing/step": time.perf_counter() - step_start}
+        self._phase("train", timer)
         with timer("old_log_prob"):
             batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
         if self.ref is not None:
@@ -279,17 +284,27 @@ class Trainer:
                 ppo_update(self.actor, batch, self.algorithm.policy_loss_fn(), epochs=cfg.actor.ppo_epochs,
                            mini_size=mini_size, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed + self.step,
                            prefix="actor", metrics=update)
-            with timer("update_weights"):
-                self.launcher.transfer_weights(self.actor, self.rollout)
+            self._phase("generate", timer)
+            with timer("weight_sync"):
+                sync_metrics = dict(self.launcher.transfer_weights(self.actor, self.rollout))
+        else:
+            sync_metrics = {}
         metrics = self._step_metrics(batch, timer, time.perf_counter() - step_start)
+        metrics.update(sync_metrics)
         metrics.update(rollout_metrics)
         metrics.update({k: sum(v) / len(v) for k, v in update.items()})
         metrics.update(self.algorithm.metrics(batch))
         self._log_samples(batch)
         return metrics
 
+    def _phase(self, name: str, timer: Timer) -> None:
+        """Switch the launcher's phase; the sleep / wake-up it took is timed in this step."""
+        for key, seconds in self.launcher.phase(name).items():
+            timer.times[key] = timer.times.get(key, 0.0) + seconds
+
     def _generate_scored(self, examples: list[Any], timer: Timer, first_group: int = 0) -> Batch:
         """n responses per prompt, scored; ``group_index`` numbers the prompts from ``first_group``."""
+        self._phase("generate", timer)
         prompts = collate(examples, self.tokenizer.pad_token_id)
         n = self.sampling.n
         with timer("gen"):
@@ -427,10 +442,11 @@ class Trainer:
         # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.evaluation).
         from rlx.evaluation import evaluate, flatten, summarize
 
+        phase = self.launcher.phase("generate")  # after a step without an update the engine still sleeps
         records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),
                            score=partial(self.reward.call, "score"), params=params,
                            batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id)
-        return flatten(summarize(records), prefix="val")
+        return {**flatten(summarize(records), prefix="val"), **phase}
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:

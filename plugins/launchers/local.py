@@ -3,27 +3,38 @@
 - ``launcher.nproc=1`` (the default): every role in this process, one worker each (CPU or one GPU).
 - ``launcher.nproc=N`` (``rlx train --nproc N``): N processes with ``torch.distributed`` initialised (gloo
   on the CPU, NCCL on GPUs, one GPU per process). This process is rank 0: it drives the loop and is also
-  a worker; N-1 workers are spawned. Every trained role (actor, reference, critic) and the rollout
-  engine are built in every process (one pool: colocated, as verl's hybrid engine); the reward runs in
-  this process. Each rank gets its data-parallel shard of every call, and weights reach each rank's
-  rollout engine from the actor on the same rank, inside that process.
+  a worker; the others are spawned. Every trained role (actor, reference, critic) is built in each of the
+  N processes (the training pool); the reward runs in this process. Each rank gets its data-parallel
+  shard of every call.
+- Placement of the rollout engine: ``launcher.rollout_nproc=0`` (the default) builds it in every training
+  process (colocated, as verl's hybrid engine): it sleeps while the models train, wakes up before new
+  weights are loaded and responses generated (``launcher.sleep_rollout``), and takes the actor's weights
+  inside the process. ``launcher.rollout_nproc=K`` starts K more processes that hold only the rollout
+  engine (a separate pool; world size N + K): ``generate`` goes to them, training calls to the training
+  pool, and after each update rank 0 broadcasts the actor's weights to them in buckets
+  (``rlx.weight_sync``). Each pool's processes form their own default ``torch.distributed`` group (the
+  training pool's is the one the backends use); commands and the weights travel over groups of their own.
 - Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set), the same with torchrun's
-  processes: rank 0 drives, the other ranks serve.
+  processes (one pool): rank 0 drives, the other ranks serve.
 
-Commands travel from rank 0 to the workers over a gloo group of their own (objects: method names,
-losses, data shards), the models' collectives over the default group. A spawned worker that fails
-reports its error and dies; rank 0 then names the rank and its error, stops every worker and exits
-(status 1, or 2 for a user error): never a hang, never an orphan (workers also die with rank 0).
+Commands travel from rank 0 to each worker over a gloo group of their own (objects: method names,
+losses, data shards; point to point, so a command reaches only the ranks of the role it names). A
+spawned worker that fails reports its error and dies; rank 0 then names the rank and its error, stops
+every worker and exits (status 1, or 2 for a user error): never a hang, never an orphan (workers also
+die with rank 0).
 """
+
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -36,11 +47,22 @@ from rlx.errors import UserError, describe_exception
 from rlx.protocols import DispatchInfo
 
 Where = Literal["workers", "driver"]
+Phase = Literal["generate", "train"]
+ROLLOUT_ROLES = frozenset({"rollout"})  # roles placed in the rollout pool when there is one
 
 
 class LocalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    nproc: int = Field(1, ge=1, le=1024, description="Worker processes (one per GPU on a GPU machine).")
+    nproc: int = Field(1, ge=1, le=1024, description="Worker processes of the training pool (one per GPU on a "
+                       "GPU machine).")
+    rollout_nproc: int = Field(0, ge=0, le=1024, description="Processes that hold only the rollout engine (a "
+                               "separate pool, one GPU each; the actor's weights are broadcast to them after "
+                               "each update). 0: the engine lives in every training process (colocated).")
+    bucket_size_mb: float = Field(256.0, gt=0, le=2**20, description="The actor's weights reach the rollout "
+                                  "engine in buckets of at most this many MiB (a larger tensor travels alone).")
+    sleep_rollout: bool = Field(True, description="A colocated rollout engine sleeps (frees what its device "
+                                "memory holds) while the models train, and wakes up before it takes new weights "
+                                "and generates.")
     timeout_s: float = Field(1800.0, gt=0, description="Most seconds a collective between workers may wait "
                              "before the run stops with an error naming the rank (a hung worker).")
 
@@ -105,19 +127,48 @@ class LocalWorkerGroup:
                 close()
 
 
-class LocalLauncher:
-    def __init__(self) -> None:
+class _PhaseSwitch:
+    """The generate / train phase of a launcher whose rollout engine shares devices with training: the
+    engine sleeps while the models train and wakes up before it takes new weights and generates. The
+    engine decides what sleeping frees (the ``hf`` engine moves its weights to host memory on a GPU and does
+    nothing on the CPU). An engine in a pool of its own never sleeps: nothing else needs its memory."""
+
+    current: Phase = "generate"  # engines are built awake
+    colocated_rollout: Any = None  # the rollout worker group, when it shares devices with training
+    sleep_rollout: bool = True
+
+    def phase(self, name: Phase) -> dict[str, float]:
+        if name == self.current:
+            return {}
+        self.current = name
+        if self.colocated_rollout is None or not self.sleep_rollout:
+            return {}
+        method = "sleep" if name == "train" else "wake_up"
+        start = time.perf_counter()
+        self.colocated_rollout.call_all(method)
+        return {f"timing/{method}": time.perf_counter() - start}
+
+
+class LocalLauncher(_PhaseSwitch):
+    def __init__(self, options: LocalOptions | None = None) -> None:
+        self.options = options or LocalOptions()
+        self.sleep_rollout = self.options.sleep_rollout
         self.groups: list[LocalWorkerGroup] = []
 
     def create_group(self, role: str, build: Callable[[int, int], Any], where: Where = "workers") -> LocalWorkerGroup:
         group = LocalWorkerGroup(role, [build(0, 1)])
         self.groups.append(group)
+        if role in ROLLOUT_ROLES and where == "workers":
+            self.colocated_rollout = group
         return group
 
-    def transfer_weights(self, src: LocalWorkerGroup, dst: LocalWorkerGroup) -> None:
-        """Push the source role's full weights into the destination workers (actor -> rollout), in process."""
-        for worker in dst.workers:
-            worker.update_weights(src.workers[0].named_weights())
+    def transfer_weights(self, src: LocalWorkerGroup, dst: LocalWorkerGroup) -> dict[str, float]:
+        """Hand the source role's weights to the destination workers (actor -> rollout), in process."""
+        from rlx.weight_sync import bucket_bytes, sync_in_process
+
+        limit = bucket_bytes(self.options.bucket_size_mb)
+        stats = [sync_in_process(src.workers[0], worker, limit) for worker in dst.workers]
+        return stats[0].metrics()
 
     def abort(self) -> None:
         """Nothing runs elsewhere."""
@@ -129,54 +180,107 @@ class LocalLauncher:
 
 
 # -- several processes ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Global ranks ``0..train-1`` are the training pool, ``train..train+rollout-1`` the rollout pool
+    (none: the rollout engine is colocated in the training pool)."""
+
+    train: int
+    rollout: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.train + self.rollout
+
+    def in_rollout_pool(self, rank: int) -> bool:
+        return rank >= self.train
+
+    def ranks(self, role: str) -> list[int]:
+        """The global ranks where ``role`` is built."""
+        if self.rollout and role in ROLLOUT_ROLES:
+            return list(range(self.train, self.world))
+        return list(range(self.train))
+
+    def pool_rank(self, rank: int) -> tuple[int, int]:
+        """(rank within its pool, the pool's size)."""
+        return (rank - self.train, self.rollout) if self.in_rollout_pool(rank) else (rank, self.train)
+
+
+def _send_object(group: Any, obj: Any, dst: int) -> list[Any]:
+    """Start sending ``obj`` (pickled: its length, then its bytes) to ``dst`` of ``group``; the returned works
+    hold the buffers and must be waited on."""
+    import torch
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    return [(group.send([size], dst, 0), size), (group.send([data], dst, 0), data)]
+
+
+def _wait(works: list[Any]) -> None:
+    for work, _ in works:
+        work.wait()
+
+
+def _recv_object(group: Any, src: int) -> Any:
+    import torch
+
+    size = torch.empty(1, dtype=torch.int64)
+    group.recv([size], src, 0).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([data], src, 0).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
 class _Host:
-    """The workers living in one process, and the loop by which rank 0 drives them."""
+    """The workers living in one process, and the loop by which rank 0 drives them.
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
-        import torch.distributed as dist
+    ``control``: a gloo group of every process (rank 0 sends each command and data share to the ranks it
+    concerns and collects their results, point to point). ``weights``: on rank 0 and the rollout pool's
+    ranks, when there is one, the group over which the actor's weights are broadcast.
+    """
 
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, layout: Layout, control: Any, weights: Any = None, comm_device: str = "cpu") -> None:
+        self.rank, self.layout = rank, layout
+        self.control, self.weights, self.comm_device = control, weights, comm_device
         self.roles: dict[str, Any] = {}
-        # Workers wait here while the driver works alone (scoring rewards, logging, writing checkpoint
-        # markers), so launcher.timeout_s must exceed that; a dead driver ends them through their
-        # parent-death signal.
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     # The driver's half of a command ------------------------------------------------------------------
-    def command(self, cmd: tuple[Any, ...], shares: list[Any] | None = None) -> list[Any]:
-        """Run ``cmd`` on every rank (rank r gets ``shares[r]``); the results of every rank, in rank order."""
-        import torch.distributed as dist
+    def command(self, cmd: tuple[Any, ...], shares: list[Any] | None, ranks: list[int]) -> list[Any]:
+        """Run ``cmd`` on ``ranks`` (``ranks[i]`` gets ``shares[i]``); their results, in the same order."""
+        shares = shares or [None] * len(ranks)
+        sends = [_send_object(self.control, (cmd, share), r) for r, share in zip(ranks, shares) if r != self.rank]
+        results = {r: self.execute(cmd, share) for r, share in zip(ranks, shares) if r == self.rank}
+        for r in ranks:
+            if r != self.rank:
+                results[r] = _recv_object(self.control, r)
+        for works in sends:
+            _wait(works)
+        return [results[r] for r in ranks]
 
-        dist.broadcast_object_list([cmd], src=0, group=self.control)
-        mine = [None]
-        dist.scatter_object_list(mine, shares or [None] * self.world_size, src=0, group=self.control)
-        result = self.execute(cmd, mine[0])
-        results: list[Any] = [None] * self.world_size
-        dist.gather_object(result, results, dst=0, group=self.control)
-        return results
+    def stop(self) -> None:
+        for r in range(1, self.layout.world):
+            _wait(_send_object(self.control, (("stop",), None), r))
 
     # Every rank's half -------------------------------------------------------------------------------
     def serve(self) -> None:
         """Ranks > 0: run the driver's commands until it says stop. An error in a command is fatal."""
-        import torch.distributed as dist
-
+        # Workers wait here while the driver works alone (scoring rewards, logging, writing checkpoint
+        # markers) or drives the other pool, so launcher.timeout_s must exceed that; a dead driver ends them
+        # through their parent-death signal.
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            cmd = box[0]
+            cmd, share = _recv_object(self.control, 0)
             if cmd[0] == "stop":
                 return
-            mine = [None]
-            dist.scatter_object_list(mine, None, src=0, group=self.control)
-            dist.gather_object(self.execute(cmd, mine[0]), None, dst=0, group=self.control)
+            _wait(_send_object(self.control, self.execute(cmd, share), 0))
 
     def execute(self, cmd: tuple[Any, ...], share: Any) -> Any:
         op = cmd[0]
         if op == "build":
             _, role, build = cmd
-            worker = build(self.rank, self.world_size)
+            rank, size = self.layout.pool_rank(self.rank)
+            worker = build(rank, size)
             self.roles[role] = worker
-            return dispatch_info(worker, self.rank, self.world_size)
+            return dispatch_info(worker, rank, size)
         if op == "call":
             _, role, method, args, kwargs = cmd
             return getattr(self.roles[role], method)(share, *args, **kwargs)
@@ -184,9 +288,8 @@ class _Host:
             _, role, method, args, kwargs = cmd
             return getattr(self.roles[role], method)(*args, **kwargs)
         if op == "sync":
-            _, src, dst = cmd
-            self.roles[dst].update_weights(self.roles[src].named_weights())
-            return None
+            _, src, dst, limit = cmd
+            return self.sync(self.roles.get(src), self.roles.get(dst), limit).metrics()
         if op == "close":
             for worker in self.roles.values():
                 close = getattr(worker, "close", None)
@@ -196,26 +299,92 @@ class _Host:
             return None
         raise ValueError(f"unknown command {op!r}")
 
+    def sync(self, source: Any, engine: Any, limit: int) -> Any:
+        """This process's part of one actor -> rollout sync (``rlx.weight_sync``)."""
+        from rlx import weight_sync
+
+        if source is not None and engine is not None:
+            return weight_sync.sync_in_process(source, engine, limit)
+        if source is not None and self.weights is not None:
+            return weight_sync.broadcast_send(source.named_weights(), self.weights, limit, self.comm_device)
+        if source is not None:
+            return weight_sync.iterate_only(source)
+        if engine is not None:
+            return weight_sync.receive_into(engine, self.weights, self.comm_device)
+        return weight_sync.SyncStats()
+
 
 PROCESS_GROUP_USED = False  # this process took part in a torch.distributed group (the CLI's exit reads it)
 
 
-def _set_up_process(rank: int, world_size: int, init_method: str, timeout_s: float, device: str,
-                    threads: int | None) -> None:
+def _use_cuda(device: str) -> bool:
     import torch
-    import torch.distributed as dist
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _prepare(rank: int, device: str, threads: int | None) -> bool:
+    """Threads and this process's GPU (its local rank's); whether it uses CUDA."""
+    import torch
 
     global PROCESS_GROUP_USED
     PROCESS_GROUP_USED = True
 
     if threads:
         torch.set_num_threads(threads)
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = _use_cuda(device)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return use_cuda
+
+
+def _set_up_process(rank: int, world_size: int, init_method: str, timeout_s: float, device: str,
+                    threads: int | None) -> None:
+    """One pool of ``world_size`` processes through ``init_method`` (torchrun's environment, Ray's actors)."""
+    import torch.distributed as dist
+
+    use_cuda = _prepare(rank, device, threads)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def _group(backend: str, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """A process group outside the default one (it may join processes of different pools)."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def weights_group(rank: int, layout: Layout, store: Any, use_cuda: bool, timeout_s: float) -> Any:
+    """With a rollout pool, on rank 0 and the rollout ranks: the group over which rank 0 broadcasts the
+    actor's weights (NCCL on GPUs, gloo on the CPU); None elsewhere."""
+    import torch.distributed as dist
+
+    if not layout.rollout or not (rank == 0 or layout.in_rollout_pool(rank)):
+        return None
+    return _group("nccl" if use_cuda else "gloo", dist.PrefixStore("rlx/weights", store),
+                  0 if rank == 0 else rank - layout.train + 1, layout.rollout + 1, timedelta(seconds=timeout_s))
+
+
+def _join(rank: int, layout: Layout, store: Any, timeout_s: float, device: str, threads: int | None) -> _Host:
+    """Set up a process of a run that rlx started: its pool's default group (the training pool's is the one
+    the backends use; the rollout pool has none, its engine sets up what it needs), the control group of
+    every process and, with a rollout pool, the weights group of rank 0 and the rollout ranks."""
+    import torch.distributed as dist
+
+    use_cuda = _prepare(rank, device, threads)
+    timeout = timedelta(seconds=timeout_s)
+    if not layout.in_rollout_pool(rank):
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore("rlx/train", store),
+                                rank=rank, world_size=layout.train, timeout=timeout)
+    control = _group("gloo", dist.PrefixStore("rlx/control", store), rank, layout.world, timeout)
+    weights = weights_group(rank, layout, store, use_cuda, timeout_s)
+    return _Host(rank, layout, control, weights, "cuda" if use_cuda else "cpu")
 
 
 def _die_with_parent() -> None:
@@ -229,8 +398,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, device: str,
-                 threads: int | None, seed: int, errors: Any) -> None:
+def _worker_main(rank: int, layout: Layout, port: int, timeout_s: float, device: str, threads: int | None,
+                 seed: int, errors: Any) -> None:
     """Entry point of a spawned worker process."""
     _die_with_parent()
     # Rank 0 prints what the user needs; progress bars from every rank would only repeat it (and tqdm's
@@ -239,10 +408,12 @@ def _worker_main(rank: int, world_size: int, init_method: str, timeout_s: float,
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         import torch
+        import torch.distributed as dist
 
-        _set_up_process(rank, world_size, init_method, timeout_s, device, threads)
+        store = dist.TCPStore("127.0.0.1", port, layout.world, is_master=False, timeout=timedelta(seconds=timeout_s))
+        host = _join(rank, layout, store, timeout_s, device, threads)
         torch.manual_seed(seed + rank)
-        _Host(rank, world_size, timeout_s).serve()
+        host.serve()
     except BaseException as exc:
         user = isinstance(exc, UserError)
         errors.send((rank, user, str(exc) if user else describe_exception(exc)))
@@ -250,92 +421,103 @@ def _worker_main(rank: int, world_size: int, init_method: str, timeout_s: float,
     os._exit(0)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ProcessWorkerGroup:
-    """One role's workers, one per process (or Ray actor); rank r's data-parallel rank comes from its worker.
-    ``launcher.run(cmd, shares)`` runs a command on every rank and returns every rank's result."""
+    """One role's workers, one per process (or Ray actor) of its pool (global ``ranks``); each one's
+    data-parallel rank comes from its worker. ``launcher.run(cmd, shares, ranks)`` runs a command on those
+    ranks and returns their results."""
 
-    def __init__(self, launcher: Any, role: str, infos: list[DispatchInfo]) -> None:
+    def __init__(self, launcher: Any, role: str, infos: list[DispatchInfo], ranks: list[int] | None = None) -> None:
         self.launcher, self.role, self.infos = launcher, role, infos
+        self.ranks = ranks if ranks is not None else list(range(len(infos)))
         self.world_size = len(infos)
         self.dp_size = infos[0].dp_size
 
     def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
         parts = shard(batch, self.dp_size)
         shares = [parts[info.dp_rank] for info in self.infos]
-        results = self.launcher.run(("call", self.role, method, args, kwargs), shares)
+        results = self.launcher.run(("call", self.role, method, args, kwargs), shares, self.ranks)
         collected = sorted(((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect),
                            key=lambda pair: pair[0])
         return gather([r for _, r in collected])
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.launcher.run(("call_all", self.role, method, args, kwargs))
+        return self.launcher.run(("call_all", self.role, method, args, kwargs), None, self.ranks)
 
     def shutdown(self) -> None:
         """The launcher closes every role at once."""
 
 
-class ProcessLauncher:
-    """N processes with torch.distributed; this process is rank 0 (see the module doc)."""
+class ProcessLauncher(_PhaseSwitch):
+    """The training pool's N processes (and the rollout pool's K) with torch.distributed; this process is
+    rank 0 (see the module doc)."""
 
     def __init__(self, options: LocalOptions, device: str, seed: int) -> None:
         import multiprocessing as mp
 
         import torch
+        import torch.distributed as dist
 
         self.options = options
+        self.sleep_rollout = options.sleep_rollout
         self.children: list[Any] = []
         self.stopping = self.failed = False
         self.lock = threading.Lock()
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
         if under_torchrun:
+            if options.rollout_nproc:
+                raise UserError(f"launcher.rollout_nproc={options.rollout_nproc} needs processes that rlx starts "
+                                "itself; under torchrun every process is in one pool.",
+                                "Run `rlx train --nproc N launcher.rollout_nproc=K` without torchrun, or leave "
+                                "launcher.rollout_nproc at 0 (the rollout engine colocated with training).")
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            init_method = "env://"
+            self.layout = Layout(world)
         else:
-            rank, world = 0, options.nproc
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+            rank = 0
+            self.layout = Layout(options.nproc, options.rollout_nproc)
+            world = self.layout.world
+        use_cuda = _use_cuda(device)
         if use_cuda:
             if not torch.cuda.is_available():
                 raise UserError("trainer.device=cuda, but no CUDA GPU is visible.",
                                 "Run on a GPU machine, or use trainer.device=cpu (gloo).")
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             if local > torch.cuda.device_count():
-                raise UserError(f"{local} processes on this machine need as many GPUs, but "
+                pools = (f" ({self.layout.train} training + {self.layout.rollout} rollout, launcher.rollout_nproc)"
+                         if self.layout.rollout else "")
+                raise UserError(f"{local} processes{pools} on this machine need as many GPUs, but "
                                 f"{torch.cuda.device_count()} are visible.",
-                                f"Use --nproc {torch.cuda.device_count()} or fewer (one process per GPU).")
-            if not torch.distributed.is_nccl_available():
+                                f"Use {torch.cuda.device_count()} processes or fewer in all (one process per GPU).")
+            if not dist.is_nccl_available():
                 raise UserError("This torch build has no NCCL, which GPU workers need.",
                                 "Install a CUDA build of torch, or use trainer.device=cpu.")
         threads = None if use_cuda else max(1, (os.cpu_count() or 1) // world)
         self.world_size = world
-        if not under_torchrun:
-            ctx = mp.get_context("spawn")
-            # One pipe per worker for its last words (a pipe, not a queue: no semaphore left behind at exit).
-            self.error_pipes: dict[int, Any] = {}
-            for r in range(1, world):
-                self.error_pipes[r], errors = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, name=f"rlx-worker-{r}", daemon=True,
-                                   args=(r, world, init_method, options.timeout_s, device, threads, seed, errors))
-                proc.start()
-                self.children.append(proc)
-            threading.Thread(target=self._watch, name="rlx-worker-watchdog", daemon=True).start()
-        _set_up_process(rank, world, init_method, options.timeout_s, device, threads)
-        self.host = _Host(rank, world, options.timeout_s)
-        if rank != 0:  # under torchrun: this process serves rank 0 and never runs the driver's loop
-            try:
-                self.host.serve()
-            except BaseException as exc:
-                print(f"Error: worker rank {rank} failed: {describe_exception(exc)}", file=sys.stderr)
-                os._exit(2 if isinstance(exc, UserError) else 1)
-            os._exit(0)
+        if under_torchrun:
+            _set_up_process(rank, world, "env://", options.timeout_s, device, threads)
+            control = dist.new_group(backend="gloo", timeout=timedelta(seconds=options.timeout_s))
+            self.host = _Host(rank, self.layout, control)
+            if rank != 0:  # this process serves rank 0 and never runs the driver's loop
+                try:
+                    self.host.serve()
+                except BaseException as exc:
+                    print(f"Error: worker rank {rank} failed: {describe_exception(exc)}", file=sys.stderr)
+                    os._exit(2 if isinstance(exc, UserError) else 1)
+                os._exit(0)
+            return
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=options.timeout_s))
+        ctx = mp.get_context("spawn")
+        # One pipe per worker for its last words (a pipe, not a queue: no semaphore left behind at exit).
+        self.error_pipes: dict[int, Any] = {}
+        for r in range(1, world):
+            self.error_pipes[r], errors = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, name=f"rlx-worker-{r}", daemon=True,
+                               args=(r, self.layout, store.port, options.timeout_s, device, threads, seed, errors))
+            proc.start()
+            self.children.append(proc)
+        threading.Thread(target=self._watch, name="rlx-worker-watchdog", daemon=True).start()
+        self.store = store  # the rendezvous lives as long as this process serves it
+        self.host = _join(0, self.layout, store, options.timeout_s, device, threads)
 
     def _watch(self) -> None:
         """Rank 0's watchdog: a worker that dies ends the run at once, naming it (rank 0 may be blocked in
@@ -393,12 +575,12 @@ class ProcessLauncher:
                 pipe.close()
             self.children = []
 
-    def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None) -> list[Any]:
-        """Run ``cmd`` on every rank. A worker that died or hung ends the process here with one message
-        (exit status 1, or 2 for a user error in a worker), not with the collective's traceback; lines the
-        loggers wrote are already on disk."""
+    def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None, ranks: list[int] | None = None) -> list[Any]:
+        """Run ``cmd`` on ``ranks`` (default: every rank). A worker that died or hung ends the process here with
+        one message (exit status 1, or 2 for a user error in a worker), not with the collective's traceback;
+        lines the loggers wrote are already on disk."""
         try:
-            return self.host.command(cmd, shares)
+            return self.host.command(cmd, shares, ranks if ranks is not None else list(range(self.world_size)))
         except Exception as exc:
             failure = self._dead_worker(self.children) if self.children else None
             if failure is None and any(w in str(exc).lower() for w in ("timed out", "timeout")):
@@ -418,12 +600,21 @@ class ProcessLauncher:
                      where: Where = "workers") -> LocalWorkerGroup | ProcessWorkerGroup:
         if where == "driver":
             return LocalWorkerGroup(role, [build(0, 1)])
-        infos = self.run(("build", role, build))
-        return ProcessWorkerGroup(self, role, infos)
+        ranks = self.layout.ranks(role)
+        group = ProcessWorkerGroup(self, role, self.run(("build", role, build), None, ranks), ranks)
+        if role in ROLLOUT_ROLES and not self.layout.rollout:
+            self.colocated_rollout = group
+        return group
 
-    def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> None:
-        """Every rank loads the actor's weights of its own process into its rollout engine."""
-        self.run(("sync", src.role, dst.role))
+    def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> dict[str, float]:
+        """Colocated: every rank loads the actor's weights of its own process into its rollout engine. A
+        rollout pool: rank 0 broadcasts them to the pool in buckets while the other training ranks take part
+        in the actor's gathers (``rlx.weight_sync``)."""
+        from rlx.weight_sync import bucket_bytes
+
+        ranks = sorted(set(src.ranks) | set(dst.ranks))
+        results = self.run(("sync", src.role, dst.role, bucket_bytes(self.options.bucket_size_mb)), None, ranks)
+        return dict(results[0])
 
     def abort(self) -> None:
         """After an error on rank 0, workers may be blocked in a collective: stop them by force."""
@@ -435,7 +626,7 @@ class ProcessLauncher:
         if not self.stopping and dist.is_initialized():
             self.run(("close",))
             self.stopping = True
-            dist.broadcast_object_list([("stop",)], src=0, group=self.host.control)
+            self.host.stop()
             for proc in self.children:
                 proc.join(timeout=30)
         self._kill_children()
@@ -447,8 +638,8 @@ class ProcessLauncher:
 def build(options: LocalOptions | None, ctx: BuildContext) -> LocalLauncher | ProcessLauncher:
     options = options or LocalOptions()
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
-    if options.nproc == 1 and not under_torchrun:
-        return LocalLauncher()
+    if options.nproc == 1 and not options.rollout_nproc and not under_torchrun:
+        return LocalLauncher(options)
     cfg = ctx.config
     device = cfg.trainer.device if cfg is not None else "auto"
     seed = cfg.trainer.seed if cfg is not None else 0
@@ -459,4 +650,5 @@ def build(options: LocalOptions | None, ctx: BuildContext) -> LocalLauncher | Pr
 def rlx_launchers() -> list[Component]:
     return [Component(kind="launcher", name="local", factory=build, config_model=LocalOptions,
                       summary="Workers on this machine: in this process, or --nproc N processes with "
-                      "torch.distributed (gloo on CPU, NCCL on GPU); also under torchrun.")]
+                      "torch.distributed (gloo on CPU, NCCL on GPU), the rollout engine colocated or in "
+                      "launcher.rollout_nproc processes of its own; also under torchrun.")]

@@ -9,11 +9,15 @@
   ``placement_strategy``), one actor per bundle. The actors are the N ranks of ``torch.distributed``
   (gloo on the CPU, NCCL on GPUs; rank 0 names the rendezvous: its node's address and a free port).
   Every trained role and the rollout engine are built in every actor, as under the local launcher's
-  ``--nproc N`` (one pool: colocated); the reward runs in this process, which drives the loop and is
-  not a rank.
+  ``--nproc N`` (one pool: colocated; the engine sleeps while the models train); the reward runs in this
+  process, which drives the loop and is not a rank.
+- ``launcher.rollout_nproc=K``: K more actors, in a placement group of their own, hold only the rollout
+  engine (a separate pool). The N training actors form the ``torch.distributed`` world the backends use;
+  after each update training rank 0 broadcasts the actor's weights to the K rollout actors in buckets
+  (``rlx.weight_sync``, over a group of rank 0 and the rollout actors).
 - A call sends every actor its data-parallel shard at once (the workers' collectives need all ranks),
-  then gathers the collected ranks' results in data-parallel order. Weights go from each actor's actor
-  role to its own rollout engine inside the actor.
+  then gathers the collected ranks' results in data-parallel order. Colocated, weights go from each actor's
+  actor role to its own rollout engine inside the actor.
 - A worker that raises or whose actor dies ends the run at once with a message naming its rank and
   error, and every actor is killed; a worker that does not answer within ``launcher.timeout_s`` of the
   first rank that did is reported as hung. Collectives between workers time out after the same time.
@@ -38,7 +42,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, describe_exception, require
-from rlx.plugins.launchers.local import LocalWorkerGroup, ProcessWorkerGroup, Where, _Host, _set_up_process
+from rlx.plugins.launchers.local import (
+    ROLLOUT_ROLES,
+    Layout,
+    LocalWorkerGroup,
+    ProcessWorkerGroup,
+    Where,
+    _Host,
+    _PhaseSwitch,
+    _prepare,
+    _set_up_process,
+    weights_group,
+)
 
 MAX_WORKERS = 4096
 
@@ -48,8 +63,12 @@ class RayOptions(BaseModel):
     address: str | None = Field(None, description="Ray cluster to connect to: 'auto' (the one started on this "
                                 "machine with `ray start`), 'HOST:PORT' of its head, or 'ray://HOST:PORT' (Ray "
                                 "Client). Unset: start a local Ray instance for this run.")
-    nproc: int = Field(1, ge=1, le=MAX_WORKERS, description="Workers (Ray actors, torch.distributed ranks); "
-                       "one per GPU on GPU machines.")
+    nproc: int = Field(1, ge=1, le=MAX_WORKERS, description="Workers (Ray actors, torch.distributed ranks) of "
+                       "the training pool; one per GPU on GPU machines.")
+    rollout_nproc: int = Field(0, ge=0, le=MAX_WORKERS, description="Ray actors that hold only the rollout "
+                               "engine, in a placement group of their own (a separate pool; the actor's weights "
+                               "are broadcast to them after each update). 0: the engine lives in every worker "
+                               "(colocated).")
     gpus_per_worker: int | None = Field(None, ge=0, le=16, description="GPUs of each worker (default: 1 when "
                                         "the cluster has GPUs and trainer.device is not cpu, else 0).")
     cpus_per_worker: float = Field(1.0, gt=0, le=1024, description="Logical CPUs reserved for each worker; on "
@@ -66,6 +85,11 @@ class RayOptions(BaseModel):
                                      "to answer when connecting.")
     placement_timeout_s: float = Field(120.0, gt=0, le=24 * 3600, description="Most seconds to wait for the "
                                        "cluster to place every worker's bundle.")
+    bucket_size_mb: float = Field(256.0, gt=0, le=2**20, description="The actor's weights reach the rollout "
+                                  "engine in buckets of at most this many MiB (a larger tensor travels alone).")
+    sleep_rollout: bool = Field(True, description="The rollout engine sleeps (frees what its device memory "
+                                "holds) while the models train, and wakes up before it takes new weights and "
+                                "generates.")
 
 
 @dataclass(frozen=True)
@@ -81,29 +105,45 @@ class _RayHost(_Host):
     group of their own, so only ``execute`` of the local launcher's host is used (same commands, same
     behaviour: build, call, call_all, sync, close)."""
 
-    def __init__(self, rank: int, world_size: int, seed: int, timeout_s: float, device: str,
+    def __init__(self, rank: int, layout: Layout, seed: int, timeout_s: float, device: str,
                  threads: int | None) -> None:
-        self.rank, self.world_size = rank, world_size
+        super().__init__(rank, layout, control=None)
         self.seed, self.timeout_s, self.device, self.threads = seed, timeout_s, device, threads
-        self.roles: dict[str, Any] = {}
+        self.store: Any = None
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: this node's address and a port free on it, where every rank meets."""
+    def rendezvous(self) -> tuple[str, int, int]:
+        """Rank 0: this node's address and two ports free on it, where the training ranks meet and where
+        the weights group of rank 0 and the rollout ranks meets."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        ports = []
+        for _ in range(2):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("", 0))
+                ports.append(int(s.getsockname()[1]))
+        return ray.util.get_node_ip_address(), ports[0], ports[1]
 
-    def set_up(self, master_addr: str, master_port: int) -> Any:
+    def set_up(self, master_addr: str, master_port: int, weights_port: int) -> Any:
         try:
+            from datetime import timedelta
+
             import torch
+            import torch.distributed as dist
 
             # Ray shows each GPU actor only its own GPUs (CUDA_VISIBLE_DEVICES), so its device is 0.
             os.environ["LOCAL_RANK"] = "0"
-            _set_up_process(self.rank, self.world_size, f"tcp://{master_addr}:{master_port}", self.timeout_s,
-                            self.device, self.threads)
+            layout = self.layout
+            if layout.in_rollout_pool(self.rank):
+                use_cuda = _prepare(self.rank, self.device, self.threads)
+            else:
+                _set_up_process(self.rank, layout.train, f"tcp://{master_addr}:{master_port}", self.timeout_s,
+                                self.device, self.threads)
+                use_cuda = dist.get_backend() == "nccl"
+            if layout.rollout and (self.rank == 0 or layout.in_rollout_pool(self.rank)):
+                self.store = dist.TCPStore(master_addr, weights_port, layout.rollout + 1, is_master=self.rank == 0,
+                                           timeout=timedelta(seconds=self.timeout_s))
+                self.weights = weights_group(self.rank, layout, self.store, use_cuda, self.timeout_s)
+                self.comm_device = "cuda" if use_cuda else "cpu"
             torch.manual_seed(self.seed + self.rank)
             _quiet_transformers()
             return None
@@ -133,17 +173,19 @@ def _failure(exc: BaseException) -> _Failure:
     return _Failure(False, describe_exception(exc))
 
 
-class RayLauncher:
+class RayLauncher(_PhaseSwitch):
     """Ray actors as the workers (see the module doc); this process drives and is not a rank."""
 
     def __init__(self, options: RayOptions, device: str, seed: int) -> None:
         ray = require("ray", "ray", "The ray launcher (launcher.name=ray)")
         self.ray = ray
         self.options = options
+        self.sleep_rollout = options.sleep_rollout
         self.started = False  # a local Ray instance of this run
         self.connected = False  # ray.init called here: ray.shutdown at the end
+        self.layout = Layout(options.nproc, options.rollout_nproc)
         self.actors: list[Any] = []
-        self.pg: Any = None
+        self.pgs: list[Any] = []  # the training pool's placement group, and the rollout pool's
         self.closed = False
         self._connect()
         try:
@@ -161,7 +203,7 @@ class RayLauncher:
             return
         quiet = logging.WARNING
         if o.address is None:
-            cpus = o.num_cpus or max(1, math.ceil(o.nproc * o.cpus_per_worker))
+            cpus = o.num_cpus or max(1, math.ceil((o.nproc + o.rollout_nproc) * o.cpus_per_worker))
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=quiet)
             self.started = self.connected = True
             return
@@ -200,8 +242,12 @@ class RayLauncher:
                             + ("(the cluster has none)." if have_gpus == 0 else "(launcher.gpus_per_worker=0)."),
                             "Connect to a cluster with GPUs (launcher.address), set launcher.gpus_per_worker, "
                             "or use trainer.device=cpu.")
-        need = {"GPU": o.nproc * gpus, "CPU": o.nproc * o.cpus_per_worker}
-        short = [f"{need[k]:g} {k}s (launcher.nproc={o.nproc} x {self._per_worker_key(k)}) but the cluster has "
+        workers = self.layout.world
+        need = {"GPU": workers * gpus, "CPU": workers * o.cpus_per_worker}
+        count = f"launcher.nproc={o.nproc}"
+        if o.rollout_nproc:
+            count += f" + launcher.rollout_nproc={o.rollout_nproc}"
+        short = [f"{need[k]:g} {k}s ({count} x {self._per_worker_key(k)}) but the cluster has "
                  f"{total.get(k, 0):g}" for k in ("GPU", "CPU") if need[k] > total.get(k, 0)]
         if short:
             raise UserError("The Ray workers need " + "; ".join(short) + ".",
@@ -224,15 +270,19 @@ class RayLauncher:
         from ray.util.placement_group import placement_group
 
         o = self.options
-        self.pg = placement_group([self._bundle(gpus)] * o.nproc, strategy=o.placement_strategy,
-                                  name=f"rlx-{socket.gethostname()}-{os.getpid()}")
-        ready, _ = self.ray.wait([self.pg.ready()], timeout=o.placement_timeout_s)
-        if not ready:
+        name = f"rlx-{socket.gethostname()}-{os.getpid()}"
+        self.pgs = [placement_group([self._bundle(gpus)] * o.nproc, strategy=o.placement_strategy, name=name)]
+        if o.rollout_nproc:
+            self.pgs.append(placement_group([self._bundle(gpus)] * o.rollout_nproc, strategy=o.placement_strategy,
+                                            name=f"{name}-rollout"))
+        ready, _ = self.ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs),
+                                 timeout=o.placement_timeout_s)
+        if len(ready) < len(self.pgs):
             free = self.ray.available_resources()
             nodes = [n.get("Resources", {}) for n in self.ray.nodes() if n.get("Alive")]
             per_node = "; ".join(f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs" for r in nodes)
             raise UserError(
-                f"Ray could not place {o.nproc} workers of {self._bundle(gpus)} each with strategy "
+                f"Ray could not place {self.layout.world} workers of {self._bundle(gpus)} each with strategy "
                 f"{o.placement_strategy} within launcher.placement_timeout_s={o.placement_timeout_s:g} s. Free "
                 f"now: {free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs; nodes: {per_node or 'none'}.",
                 "A worker's bundle must fit on one node and STRICT_* strategies need room on one node each; "
@@ -242,29 +292,31 @@ class RayLauncher:
     def _start_actors(self, gpus: int, device: str, seed: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        o = self.options
-        n = o.nproc
+        o, layout = self.options, self.layout
         threads = None if gpus else max(1, int(o.cpus_per_worker))
         host = self.ray.remote(_RayHost)
         self.actors = [
             host.options(
                 num_cpus=o.cpus_per_worker, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r),
-            ).remote(r, n, seed, o.timeout_s, device if gpus else "cpu", threads)
-            for r in range(n)
+                    placement_group=self.pgs[1] if layout.in_rollout_pool(r) else self.pgs[0],
+                    placement_group_bundle_index=r - layout.train if layout.in_rollout_pool(r) else r),
+            ).remote(r, layout, seed, o.timeout_s, device if gpus else "cpu", threads)
+            for r in range(layout.world)
         ]
-        addr, port = self._gather([self.actors[0].rendezvous.remote()], "set-up", ranks=[0])[0]
-        self._gather([a.set_up.remote(addr, port) for a in self.actors], "set-up")
+        addr, port, weights_port = self._gather([self.actors[0].rendezvous.remote()], "set-up", ranks=[0])[0]
+        self._gather([a.set_up.remote(addr, port, weights_port) for a in self.actors], "set-up")
 
     # -- commands ----------------------------------------------------------------------------------
-    def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None) -> list[Any]:
-        """Run ``cmd`` on every actor at once (actor r gets ``shares[r]``); the results in rank order."""
+    def run(self, cmd: tuple[Any, ...], shares: list[Any] | None = None, ranks: list[int] | None = None) -> list[Any]:
+        """Run ``cmd`` on the actors of ``ranks`` (default: every actor) at once (``ranks[i]`` gets
+        ``shares[i]``); their results in the same order."""
         if self.closed:
             raise RuntimeError("the ray launcher is shut down")
-        shares = shares or [None] * len(self.actors)
-        refs = [a.run.remote(cmd, s) for a, s in zip(self.actors, shares)]
-        return self._gather(refs, f"{cmd[0]} {'.'.join(str(c) for c in cmd[1:3])}".strip())
+        ranks = ranks if ranks is not None else list(range(len(self.actors)))
+        shares = shares or [None] * len(ranks)
+        refs = [self.actors[r].run.remote(cmd, s) for r, s in zip(ranks, shares)]
+        return self._gather(refs, f"{cmd[0]} {'.'.join(str(c) for c in cmd[1:3])}".strip(), ranks=ranks)
 
     def _gather(self, refs: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
         """Wait for every rank's answer. The first failure ends the run (the others may wait in a collective
@@ -333,11 +385,20 @@ class RayLauncher:
                      where: Where = "workers") -> LocalWorkerGroup | ProcessWorkerGroup:
         if where == "driver":
             return LocalWorkerGroup(role, [build(0, 1)])
-        return ProcessWorkerGroup(self, role, self.run(("build", role, build)))
+        ranks = self.layout.ranks(role)
+        group = ProcessWorkerGroup(self, role, self.run(("build", role, build), None, ranks), ranks)
+        if role in ROLLOUT_ROLES and not self.layout.rollout:
+            self.colocated_rollout = group
+        return group
 
-    def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> None:
-        """Every actor loads its own actor role's weights into its own rollout engine."""
-        self.run(("sync", src.role, dst.role))
+    def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> dict[str, float]:
+        """Colocated: every actor loads its own actor role's weights into its own rollout engine. A rollout
+        pool: rank 0 broadcasts them to the pool's actors in buckets (``rlx.weight_sync``)."""
+        from rlx.weight_sync import bucket_bytes
+
+        ranks = sorted(set(src.ranks) | set(dst.ranks))
+        return dict(self.run(("sync", src.role, dst.role, bucket_bytes(self.options.bucket_size_mb)), None,
+                             ranks)[0])
 
     # -- the end -----------------------------------------------------------------------------------
     def _stop(self) -> None:
@@ -350,12 +411,13 @@ class RayLauncher:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         self.actors = []
-        if self.pg is not None:
+        if self.pgs:
             from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.pg)
-            self.pg = None
+            for pg in self.pgs:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+            self.pgs = []
         if self.connected:  # stops a local instance; only disconnects from a cluster
             ray.shutdown()
 

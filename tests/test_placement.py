@@ -1,0 +1,203 @@
+"""Placement of the rollout engine: a separate rollout pool (``launcher.rollout_nproc``) trains the built-in
+job and its engine holds the actor's exact weights after every bucketed broadcast; a colocated engine is
+woken before it takes weights or generates and sleeps while the models train; bad placements are one
+message."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from rlx import Component, hookimpl
+from rlx.context import BuildContext
+from rlx.errors import UserError
+from rlx.plugins.launchers.local import LocalOptions, build
+from rlx.plugins.rollout import hf
+from rlx.protocols import RunInfo
+
+SMALL = ["trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false", "trainer.save_freq=0",
+         "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "rollout.n=4"]
+
+POOL_RUN = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    from rlx.registry import get_plugin_manager
+    from rlx.trainer import Trainer
+    from rlx.validate import load_config
+    from rlx.weight_sync import bucket_bytes, buckets
+
+    class Checked(Trainer):
+        """After every step: the rollout pool's engine holds exactly the actor's weights."""
+        steps = []
+
+        def train_step(self, examples):
+            metrics = super().train_step(examples)
+            # The actor's and the engine's models, from their processes (neither has an accessor of its own).
+            actor = self.actor.call_all("__getattribute__", "model")[0].state_dict()
+            [model] = self.rollout.call_all("__getattribute__", "model")
+            engine = model.state_dict()
+            limit = bucket_bytes(self.launcher.options.bucket_size_mb)
+            self.steps.append({{
+                "differ": [n for n, t in actor.items() if not torch.equal(engine[n], t)],
+                "fingerprint": float(sum(t.double().sum() for t in actor.values())),
+                "expected_bytes": sum(t.numel() * t.element_size() for t in actor.values()),
+                "expected_buckets": len(list(buckets(actor.items(), limit))),
+                "metrics": metrics,
+            }})
+            return metrics
+
+    if __name__ == "__main__":
+        pm = get_plugin_manager()
+        trainer = Checked(load_config(pm, preset="tiny", overrides=sys.argv[2:]), pm)
+        layout = {{"actor": trainer.actor.ranks, "rollout": trainer.rollout.ranks,
+                  "actor_dp": [i.dp_size for i in trainer.actor.infos],
+                  "rollout_dp": [i.dp_size for i in trainer.rollout.infos]}}
+        trainer.fit()
+        json.dump({{"layout": layout, "steps": Checked.steps}}, open(sys.argv[1], "w"))
+        sys.stdout.flush()
+        os._exit(0)  # as the CLI does after torch.distributed was used
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [
+    pytest.param("local", id="local-2+1"),
+    pytest.param("ray", id="ray-1+1", marks=pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                              reason="ray is not installed")),
+])
+def test_a_rollout_pool_trains_and_its_engine_holds_the_actor_weights_after_every_sync(tmp_path: Path,
+                                                                                     launcher: str) -> None:
+    """local: 2 training processes and 1 rollout process (world size 3, gloo); ray: 1 training actor and 1
+    rollout actor in a placement group of its own. Generate runs in the rollout pool, training in the other;
+    after each update rank 0 broadcasts the weights in 0.05 MiB buckets (the tiny model is 0.31 MiB: several
+    buckets) and the engine's weights equal the actor's bit for bit."""
+    script = tmp_path / "pool_run.py"
+    script.write_text(POOL_RUN.format())
+    out = tmp_path / "result.json"
+    pools = (["launcher.nproc=2", "launcher.rollout_nproc=1"] if launcher == "local" else
+             ["launcher.name=ray", "launcher.nproc=1", "launcher.rollout_nproc=1"])
+    run = subprocess.run([sys.executable, str(script), str(out), *SMALL, "trainer.total_steps=3", *pools,
+                          "launcher.bucket_size_mb=0.05", f"trainer.output_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "RLX_CACHE": str(tmp_path / "cache")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["layout"] == ({"actor": [0, 1], "rollout": [2], "actor_dp": [2, 2], "rollout_dp": [1]}
+                                if launcher == "local" else
+                                {"actor": [0], "rollout": [1], "actor_dp": [1], "rollout_dp": [1]})
+    steps = result["steps"]
+    assert len(steps) == 3
+    for step in steps:
+        m = step["metrics"]
+        assert step["differ"] == [], step["differ"]
+        assert m["weight_sync/bytes"] == step["expected_bytes"]
+        assert m["weight_sync/buckets"] == step["expected_buckets"] > 1
+        assert m["timing/weight_sync"] > 0 and "actor/pg_loss" in m and "reward/mean" in m
+        assert "timing/sleep" not in m and "timing/wake_up" not in m  # a pool of its own never sleeps
+    fingerprints = [s["fingerprint"] for s in steps]
+    assert len(set(fingerprints)) == 3, "the actor changed at every step, so every sync carried new weights"
+
+
+class Probe(hf.HFRollout):
+    """The hf engine, recording the phase calls and refusing to take weights or generate while asleep."""
+
+    events: ClassVar[list[str]] = []
+    asleep = False
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        assert not self.asleep, "generate while asleep"
+        self.events.append("generate")
+        return super().generate(prompts, params)
+
+    def update_weights(self, named_tensors: Any) -> None:
+        assert not self.asleep, "update_weights while asleep"
+        self.events.append("update_weights")
+        super().update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.asleep = True
+        self.events.append("sleep")
+        super().sleep()
+
+    def wake_up(self) -> None:
+        self.asleep = False
+        self.events.append("wake_up")
+        super().wake_up()
+
+
+def build_probe(options: Any, ctx: BuildContext) -> Probe:
+    engine = hf.build(options, ctx)
+    engine.__class__ = Probe  # the engine the hf plugin builds, with the recording methods above
+    return engine
+
+
+@hookimpl
+def rlx_rollout_engines() -> list[Component]:
+    return [Component(kind="rollout", name="hf_probe", factory=build_probe, config_model=hf.HFRolloutOptions,
+                      summary="test: hf engine recording its phases")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sleep", [True, False])
+def test_a_colocated_engine_wakes_before_weights_and_generation_and_sleeps_while_training(
+        tmp_path: Path, tiny_model_path: str, sleep: bool) -> None:
+    from rlx.registry import PluginManager
+    from rlx.trainer import Trainer
+    from rlx.validate import load_config
+
+    pm = PluginManager()
+    pm.load_entry_points()
+    pm.register(sys.modules[__name__], name="placement_probe")
+    Probe.events = []
+    resolved = load_config(pm, preset="tiny", overrides=[*SMALL, "trainer.total_steps=2", "rollout.name=hf_probe",
+                                                         f"launcher.sleep_rollout={str(sleep).lower()}",
+                                                         f"trainer.output_dir={tmp_path}"])
+    trainer = Trainer(resolved, pm)
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    if sleep:
+        # Built awake; each step: generate, sleep while the models train, wake, take the new weights.
+        assert Probe.events == ["update_weights"] + ["generate", "sleep", "wake_up", "update_weights"] * 2
+        assert all(r["timing/sleep"] >= 0 and r["timing/wake_up"] >= 0 for r in rows)
+    else:
+        assert Probe.events == ["update_weights"] + ["generate", "update_weights"] * 2
+        assert not any("timing/sleep" in r or "timing/wake_up" in r for r in rows)
+    assert all(r["weight_sync/buckets"] == 1 and r["weight_sync/bytes"] > 0 for r in rows)
+
+
+def _ctx() -> BuildContext:
+    return BuildContext(None, RunInfo("/tmp", "p", "e", {}))
+
+
+def test_rollout_nproc_under_torchrun_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(UserError, match="rollout_nproc=1 needs processes that rlx starts itself"):
+        build(LocalOptions(nproc=2, rollout_nproc=1), _ctx())
+
+
+def test_more_processes_than_gpus_counts_both_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    from rlx.plugins.launchers.local import ProcessLauncher
+
+    with pytest.raises(UserError, match=r"3 processes \(2 training \+ 1 rollout"):
+        ProcessLauncher(LocalOptions(nproc=2, rollout_nproc=1), "cuda", 0)
+
+
+def test_a_negative_rollout_nproc_is_a_config_error(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "rlx", "train", "launcher.rollout_nproc=-1",
+                          f"trainer.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "launcher.rollout_nproc" in run.stderr and "Traceback" not in run.stderr
