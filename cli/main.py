@@ -17,6 +17,7 @@ from rlx.cli import data as data_cli
 from rlx.cli import eval as eval_cli
 from rlx.cli import export as export_cli
 from rlx.cli import plot as plot_cli
+from rlx.cli import replay as replay_cli
 from rlx.cli import scaffold
 from rlx.errors import UserError
 
@@ -30,6 +31,7 @@ app.add_typer(data_cli.app, name="data")
 app.command("eval")(eval_cli.eval_command)
 app.command("export")(export_cli.export_command)
 app.command("plot")(plot_cli.plot_command)
+app.command("replay")(replay_cli.replay_command)
 plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
