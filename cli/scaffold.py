@@ -29,7 +29,7 @@ version = "0.1.0"
 description = "The {name} reward for rlx"
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["rlx", "pydantic>=2.6"]
+dependencies = ["{rlx_requirement}", "pydantic>=2.6"]
 
 # The whole integration with rlx: this entry point in the `rlx` group.
 [project.entry-points.rlx]
@@ -163,10 +163,18 @@ def test_runs_under_the_reward_worker_contract():
     assert out.scores == [1.0, 0.0, 1.0] and out.failures == []
 
 
-def test_pyproject_declares_the_rlx_entry_point():
+def test_pyproject_declares_the_entry_point_and_supports_the_installed_rlx():
+    """Run these tests under each rlx release the range admits (rlx's docs/plugins.md): under an rlx outside
+    it, this test fails."""
+    from importlib.metadata import version
+
     tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["rlx"] == {{"{name}": "{module}"}}
+    (rlx_req,) = [r for r in map(requirements.Requirement, meta["project"]["dependencies"]) if r.name == "rlx"]
+    installed = version("rlx")
+    assert str(rlx_req.specifier) and rlx_req.specifier.contains(installed, prereleases=True), (installed, rlx_req)
 '''
 
 README = '''\
@@ -202,6 +210,17 @@ def new_plugin(
     typer.echo(f"Next: cd {path} && pytest && pip install -e . && rlx train --reward {name} ...")
 
 
+def rlx_requirement(version: str | None = None) -> str:
+    """The rlx versions a new plugin supports: from this release to the next one that may change the plugin
+    API (the next minor release before 1.0, the next major after), e.g. ``rlx>=0.1.0,<0.2``."""
+    from rlx import __version__
+
+    parts = [int(p) for p in re.findall(r"\d+", version or __version__)[:2]] + [0]
+    major, minor = parts[0], parts[1]
+    upper = f"{major}.{minor + 1}" if major == 0 else f"{major + 1}"
+    return f"rlx>={major}.{minor}.0,<{upper}"
+
+
 def write_package(kind: str, name: str, out: Path, *, force: bool = False) -> Path:
     """Create ``out/rlx-reward-<name>/`` and return its path."""
     from rlx.errors import did_you_mean
@@ -230,7 +249,7 @@ def write_package(kind: str, name: str, out: Path, *, force: bool = False) -> Pa
     target = out.expanduser() / dist
     if target.exists() and not force:
         raise UserError(f"{target} already exists.", "Pass --force to overwrite it, or --out another folder.")
-    values = {"name": name, "module": module, "dist": dist, "cls": cls}
+    values = {"name": name, "module": module, "dist": dist, "cls": cls, "rlx_requirement": rlx_requirement()}
     files = {
         "pyproject.toml": PYPROJECT, "README.md": README, f"{module}/__init__.py": MODULE,
         f"tests/test_{name.lower()}.py": TEST,
