@@ -84,12 +84,12 @@ class StaticDecoder:
     buffers, and (on CUDA) one recorded decode step."""
 
     def __init__(self, model: Any, batch: int, prompt_len: int, max_tokens: int, sampler: Sampler,
-                 stop: list[int], step_fn: Any, use_graph: bool, pool: Any) -> None:
+                 stop: list[int], use_graph: bool, pool: Any) -> None:
         import torch
         from transformers import StaticCache
 
         self.model, self.sampler, self.max_tokens = model, sampler, max_tokens
-        self.prompt_len, self.length = prompt_len, prompt_len + max_tokens
+        self.length = prompt_len + max_tokens
         device = model.device
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.cache_kw = cache_argument(model)
@@ -105,7 +105,7 @@ class StaticDecoder:
         self.log_probs = torch.zeros(batch, max_tokens, dtype=torch.float32, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.stop = torch.tensor(sorted(set(stop)) or [-1], **long)
-        self.step_fn = step_fn or self._logits_eager
+        self.step_fn: Any = self._log_probs  # (ids, mask, positions) -> (b, V) log-probs; the engine may compile it
         self.use_graph, self.pool = use_graph, pool
         self.graph: Any = None
 
@@ -119,7 +119,7 @@ class StaticDecoder:
         zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-    def _logits_eager(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _log_probs(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **{self.cache_kw: self.cache})
         return self.sampler.log_probs(out.logits[:, -1])
@@ -231,7 +231,7 @@ class StaticEngine:
         import torch
 
         mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
-        return torch.compile(decoder._logits_eager, mode=mode, dynamic=False)
+        return torch.compile(decoder._log_probs, mode=mode, dynamic=False)
 
     def _decoder(self, batch: int, prompt_len: int, max_tokens: int, sampler: Sampler,
                  stop: list[int]) -> StaticDecoder:
@@ -245,8 +245,7 @@ class StaticEngine:
             self.decoders.popitem(last=False)
         if self.use_graph and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        decoder = StaticDecoder(self.model, batch, prompt_len, max_tokens, sampler, stop, None, self.use_graph,
-                                self.pool)
+        decoder = StaticDecoder(self.model, batch, prompt_len, max_tokens, sampler, stop, self.use_graph, self.pool)
         decoder.step_fn = self._step_fn(decoder) or decoder.step_fn
         self.decoders[key] = decoder
         return decoder
@@ -268,7 +267,7 @@ class StaticEngine:
         try:
             tokens, log_probs = decoder.generate(ids, mask)
         except Exception as exc:  # a compiler failure must not end the run: decode uncompiled
-            if decoder.step_fn == decoder._logits_eager:
+            if decoder.step_fn == decoder._log_probs:
                 raise
             warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
                           "decoding without compilation.", RuntimeWarning, stacklevel=2)
