@@ -17,8 +17,9 @@ Hashing is capped so that a 15 GB model does not stall the start of a run: a fil
 :data:`FULL_HASH_LIMIT` bytes is hashed whole (``"hashed": "full"``); a larger one is hashed from its
 size and :data:`SAMPLE_BLOCKS` blocks of :data:`SAMPLE_BLOCK` bytes at evenly spaced offsets, the first
 and the last included (``"hashed": "sampled"``), which catches a replaced, truncated or re-saved file but
-not an edit confined to the unread bytes. A model given as a hub id (no local folder) is recorded as
-such, with no hash.
+not an edit confined to the unread bytes. A model given as a hub id is hashed in the Hugging Face cache
+folder it loads from, whose revision is recorded too; a hub id that is not in the cache is recorded with
+no hash.
 """
 
 from __future__ import annotations
@@ -104,17 +105,32 @@ def _model_entries(key: str, ref: str) -> dict[str, Any]:
     from rlx.data import resolve_path
 
     folder = Path(resolve_path(ref))
+    out: dict[str, Any] = {}
     if not folder.is_dir():
         if folder.is_file():
             return {key: file_hash(folder)}
-        return {key: {"path": ref, "hub_id": True}}
-    out: dict[str, Any] = {}
+        snapshot = _hub_snapshot(ref)
+        if snapshot is None:
+            return {key: {"path": ref, "hub_id": True}}
+        out[key] = {"path": ref, "hub_id": True, "revision": snapshot.name}
+        folder = snapshot
     for name in MODEL_FILES:
         if (folder / name).is_file():
             out[f"{key}:{name}"] = file_hash(folder / name)
     for weight in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
         out[f"{key}:{weight.name}"] = file_hash(weight)
     return out
+
+
+def _hub_snapshot(ref: str) -> Path | None:
+    """The Hugging Face cache folder a hub id loads from (its name is the revision), or None if not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(ref, "config.json")
+    except Exception:  # not a repo id, or no huggingface_hub
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def hash_inputs(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,7 +194,12 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list
             out.append(f"plugin {comp}: the run used {was['distribution']} {was['version']}, now {now_text}")
     for key, was in recorded.get("files", {}).items():
         now = current.get("files", {}).get(key)
-        if was.get("hub_id") or was.get("missing"):
+        if was.get("hub_id"):
+            if was.get("revision") and (now or {}).get("revision") != was["revision"]:
+                out.append(f"{key}: {was['path']} was revision {was['revision']}, the cache now holds "
+                           f"{(now or {}).get('revision') or 'none'}")
+            continue
+        if was.get("missing"):
             continue
         if now is None or now.get("hub_id") or now.get("missing"):
             out.append(f"{key}: {was['path']} is gone")

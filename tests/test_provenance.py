@@ -170,3 +170,29 @@ def test_replay_of_the_built_in_job_reproduces_its_metrics_and_refuses_after_a_d
     assert refused.returncode == 2
     assert f"data.val_files[0]: {tmp_path / 'arith-test.parquet'} has changed" in refused.stderr
     assert not (tmp_path / "again").exists()
+
+
+def test_a_hub_model_is_hashed_in_the_cache_folder_it_loads_from(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    for rev, text in (("1111", '{"a": 1}'), ("2222", '{"a": 2}')):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+        (repo / "snapshots" / rev / "config.json").write_text(text)
+        (repo / "snapshots" / rev / "model.safetensors").write_bytes(text.encode() * 10)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1111")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    config = {"model": {"path": "org/tiny"}, "data": {}}
+    first = provenance.hash_inputs(config)
+    assert first["model.path"] == {"path": "org/tiny", "hub_id": True, "revision": "1111"}
+    assert first["model.path:config.json"]["sha256"] == hashlib.sha256(b'{"a": 1}').hexdigest()
+    assert "model.path:model.safetensors" in first
+    (repo / "refs" / "main").write_text("2222")
+    problems = provenance.differences({"files": first}, {"files": provenance.hash_inputs(config)})
+    assert problems[0] == "model.path: org/tiny was revision 1111, the cache now holds 2222"
+    assert any(p.startswith("model.path:config.json: ") and "has changed" in p for p in problems)
+    assert provenance.hash_inputs({"model": {"path": "org/absent"}, "data": {}}) == {
+        "model.path": {"path": "org/absent", "hub_id": True}}
