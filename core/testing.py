@@ -174,10 +174,13 @@ def _check_layout(out: Batch, prompts: Batch, n: int, max_tokens: int) -> None:
 
 
 def check_first_token_distribution(engine: Any, prompts: Batch, logits: torch.Tensor, params: SamplingParams,
-                                   seed: int = 0, atol: float = 2e-4) -> dict[str, torch.Tensor]:
+                                   seed: int = 0, atol: float = 2e-4,
+                                   log_probs_after_filters: bool = True) -> dict[str, torch.Tensor]:
     """Sample ``params.n`` one-token responses per prompt and compare them with
     :func:`processed_distribution`; ``rollout_log_probs`` must be the log of the processed probability of
-    each sampled token (within ``atol``). Returns the expected and empirical distributions."""
+    each sampled token (within ``atol``), or, with ``log_probs_after_filters=False`` (an engine that reports
+    them before top-k and top-p, as SGLang), of softmax(logits / temperature). Returns the expected and
+    empirical distributions."""
     params = dataclasses.replace(params, max_tokens=1, stop_token_ids=(), seed=seed)
     out = _generate(engine, prompts, params)
     n, (B, V) = params.n, logits.shape
@@ -201,7 +204,8 @@ def check_first_token_distribution(engine: Any, prompts: Batch, logits: torch.Te
         # The log-probs are those of the distribution each token was sampled from; for greedy decoding
         # that is the policy at the temperature the engine reports (the trainer compares them with the
         # actor's log-probs at that temperature).
-        reference = expected if not params.greedy else torch.softmax(logits.double() / temperature, -1).float()
+        unfiltered = params.greedy or not log_probs_after_filters
+        reference = torch.softmax(logits.double() / temperature, -1).float() if unfiltered else expected
         want = reference.log().gather(1, tokens).flatten()
         got = out["rollout_log_probs"][:, 0]
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
@@ -320,10 +324,13 @@ class RolloutEngineContract:
     Class attributes an engine may set: ``logprob_atol`` (the tolerance of its log-probs against the
     training forward pass in float32; say why in the subclass when you raise it), ``samples`` (one-token
     samples per prompt in the distribution checks), ``base_model`` (the architecture and tokenizer the
-    contract policies are built from: a model folder or ``builtin:tiny-qwen2``).
+    contract policies are built from: a model folder or ``builtin:tiny-qwen2``),
+    ``log_probs_after_filters`` (False for an engine whose log-probs are those of softmax(logits /
+    temperature) before top-k and top-p, as SGLang's).
     """
 
     logprob_atol: float = 1e-4
+    log_probs_after_filters: bool = True
     samples: int = 2000
     base_model: str = "builtin:tiny-qwen2"
 
@@ -398,7 +405,8 @@ class RolloutEngineContract:
         params = pick_top_p(logits, params)
         for option in _options_changed(params):  # the check would catch this option being ignored
             assert _distinguishable(logits, params, option), option
-        check_first_token_distribution(engine, prompts, logits, params, seed=7, atol=max(self.logprob_atol, 2e-4))
+        check_first_token_distribution(engine, prompts, logits, params, seed=7, atol=max(self.logprob_atol, 2e-4),
+                                       log_probs_after_filters=self.log_probs_after_filters)
 
     def test_greedy_is_the_arg_max_deterministic_and_a_full_forward_decode(
             self, engine: Any, prompts: Batch, logits: torch.Tensor, contract_policies: dict[str, Any]) -> None:
