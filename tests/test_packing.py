@@ -220,3 +220,36 @@ def test_flex_attention_cannot_train_on_the_cpu(model_path):
 
     with pytest.raises(UserError, match="flex attention has no backward pass"):
         worker(model_path, "actor", "flex_attention")
+
+
+def test_packed_rows_on_sdpa_build_no_tokens_by_tokens_mask(model_path):
+    """On sdpa the packed row is cut per sequence for attention (rlx's packed_sdpa): no (T x T) tensor is
+    made, where transformers' own sdpa path builds a block-diagonal (T x T) mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from rlx.plugins.backends.torch_local import PACKED_SDPA
+
+    batch = make_batch()
+    total = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+
+    class Square(TorchDispatchMode):
+        found = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (total, total):
+                    Square.found = True
+            return out
+
+    ours = worker(model_path, "ref")
+    assert ours.model.config._attn_implementation == PACKED_SDPA
+    with Square():
+        ours.compute_log_probs(batch)
+    assert not Square.found
+    with Square(), torch.no_grad():  # the same model on transformers' sdpa: the check sees the mask
+        ours.model.config._attn_implementation = "sdpa"
+        response_log_probs(ours.model, batch, 1.0, False, packed=True)
+    assert Square.found
+    assert worker(model_path, "ref", "eager").model.config._attn_implementation == "eager"

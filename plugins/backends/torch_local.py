@@ -105,6 +105,75 @@ def supports_packing(model: Any) -> bool:
     return bool(getattr(model, "_supports_attention_backend", False))
 
 
+# The attention rlx registers with transformers for packed rows on the sdpa kernel (see packed_sdpa).
+PACKED_SDPA = "rlx_packed_sdpa"
+
+
+def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA over packed sequences without a (tokens x tokens) mask: the packed row (1, heads, T, d) is cut at
+    the positions that restart at 0 into (sequences, heads, longest, d), each sequence attends causally to
+    itself (``is_causal``: PyTorch's flash or memory-efficient kernel on a GPU), and the valid outputs are
+    packed back. The linear layers still see only the packed tokens; attention costs what it costs padded.
+    A call with a mask (padded rows) is transformers' own sdpa."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if position_ids is None or int(position_ids.reshape(-1)[0]) != 0:
+        raise RuntimeError(f"{type(module).__name__} does not pass position ids that start at 0 to its attention: "
+                           "packed sequences cannot be told apart. Set use_remove_padding=false for this model.")
+    positions = position_ids.reshape(-1)
+    total = positions.shape[0]
+    starts = (positions == 0).nonzero().flatten()
+    lengths = torch.diff(starts, append=starts.new_tensor([total]))
+    longest = int(lengths.max())
+    steps = torch.arange(longest, device=starts.device)
+    index = (starts[:, None] + steps).clamp(max=total - 1)  # (n, L)
+    valid = steps < lengths[:, None]  # (n, L)
+
+    def unpacked(x: torch.Tensor, repeat: int) -> torch.Tensor:
+        x = x[0][:, index].transpose(0, 1)  # (n, heads, L, d)
+        return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(unpacked(query, 1), unpacked(key, groups), unpacked(value, groups),
+                                         dropout_p=dropout, scale=scaling, is_causal=True)  # (n, heads, L, d)
+    return out.transpose(1, 2)[valid][None], None  # (1, T, heads, d)
+
+
+def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    """No (tokens x tokens) mask for packed rows (:func:`packed_sdpa` cuts them itself); sdpa's mask for
+    padded rows."""
+    from transformers.masking_utils import sdpa_mask
+
+    if not args and kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_packed_sdpa(model: Any) -> bool:
+    """Switch a packing model on the sdpa kernel to :func:`packed_sdpa` (registered with transformers once
+    per process). Models with sliding-window layers keep transformers' packed mask, which knows the window."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = model.config
+    windows = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or [])
+    if config._attn_implementation != "sdpa" or windows:
+        return False
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+    AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
+    config._attn_implementation = PACKED_SDPA
+    return True
+
+
 def fused_head_supported(model: Any) -> bool:
     """The chunked head replaces ``lm_head`` itself; a model that transforms the logits after it (Gemma's
     soft-capping, Cohere's and Granite's scaling) keeps the plain path."""
@@ -408,6 +477,8 @@ class TorchWorker:
         extra = self.spec.extra
         self.hf_model = hf_model
         self.packed = bool(extra.get("use_remove_padding", True)) and supports_packing(hf_model)
+        if self.packed:
+            use_packed_sdpa(hf_model)
         self.chunk_size = int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
         dynamic = bool(extra.get("use_dynamic_bsz", False))
         self.update_budget = (int(extra["ppo_max_token_len"]), str(extra["ppo_max_token_len_option"])) \
