@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -201,3 +203,45 @@ def test_a_negative_rollout_nproc_is_a_config_error(tmp_path: Path) -> None:
                           f"trainer.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "launcher.rollout_nproc" in run.stderr and "Traceback" not in run.stderr
+
+
+def _spawned(pid: int) -> list[int]:
+    """Worker processes spawned by ``pid`` (not multiprocessing's resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid and "spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_process_ends_the_run_naming_its_rank(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as err_out:  # a file, not a pipe: nobody reads it while the run goes on
+        proc = subprocess.Popen([sys.executable, "-m", "rlx", "train", "--preset", "tiny", *SMALL,
+                                 "trainer.total_steps=100000", "launcher.rollout_nproc=1",
+                                 f"trainer.output_dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                stderr=err_out, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None, err_file.read_text()[-3000:]
+            time.sleep(0.2)
+        [rollout] = _spawned(proc.pid)  # --nproc 1: rank 0 trains and drives, rank 1 holds the engine
+        os.kill(rollout, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err_file.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Error: worker rank 1 failed: exited with status -9" in err, err[-3000:]
+    assert "Traceback" not in err.split("Error:")[-1]
