@@ -126,3 +126,35 @@ def test_broadcast_sends_every_tensor_bit_exact_in_buckets() -> None:
         for (name, dtype, shape, values), (_, tensor) in zip(received, expected):
             assert dtype == tensor.dtype and shape == tuple(tensor.shape), name
             assert values == tensor.tolist(), name
+
+
+def test_broadcast_pulls_the_actor_tensors_only_as_buckets_fill() -> None:
+    """The sender holds one bucket and the tensor at hand, never the whole model: when a bucket goes out,
+    the actor has yielded only the bucket's tensors and the one that did not fit."""
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))  # one rank: itself
+    pulled = 0
+
+    def actor_weights() -> Any:
+        nonlocal pulled
+        for named in payload():
+            pulled += 1
+            yield named
+
+    class Counting:
+        """The group, noting how many tensors the actor had yielded at each broadcast."""
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+            self.seen.append(pulled)
+            return group.broadcast(tensor, root)
+
+    spy = Counting()
+    stats = weight_sync.broadcast_send(actor_weights(), spy, LIMIT, "cpu")
+    # 3 broadcasts per bucket (sizes, header, bytes): the first 7 tensors go when the 8th (too big) arrives,
+    # the 8th alone at once, the last with the end of the stream, then the end marker.
+    assert spy.seen == [8, 8, 8, 8, 8, 8, 9, 9, 9, 9]
+    assert stats.buckets == 3
