@@ -106,7 +106,7 @@ class VLLMRolloutOptions(BaseModel):
                 problems.append(f"engine_kwargs.{key}: the installed vLLM {version} has no engine argument {key!r}."
                                 f"{did_you_mean(key, sorted(known))}")
         devices = visible_devices()
-        if self.tensor_parallel_size > devices:
+        if self.tensor_parallel_size > max(devices, 1):
             where = f"{devices} GPU{'s' if devices != 1 else ''} visible" if devices else "no GPU (the CPU counts as 1)"
             problems.append(f"tensor_parallel_size: {self.tensor_parallel_size} is more than the devices this machine "
                             f"has ({where}); use at most {max(devices, 1)}.")
@@ -117,8 +117,17 @@ def _option_for(field: str) -> str | None:
     return next((o for o, f in ENGINE_FIELDS.items() if f == field), None)
 
 
+def _quiet_vllm() -> None:
+    """vLLM logs every request and cache reset at INFO; a training run wants its own lines (set
+    VLLM_LOGGING_LEVEL to see them). Read when vllm is first imported, here and in its engine process."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def engine_arg_fields() -> tuple[set[str], str]:
     """The names of the installed vLLM's ``EngineArgs`` fields, and its version."""
+    _quiet_vllm()
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
@@ -142,8 +151,12 @@ class WorkerExtension:
     update goes through it: each layer is rebuilt in checkpoint form, loaded and processed again."""
 
     def rlx_begin_weights(self) -> None:
+        import logging
+
         from vllm.config import set_current_vllm_config
 
+        # Layers without checkpoint weights (rotary tables) are reported at every reload; they are never trained.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._rlx_loaded: set[str] = set()
         reload = _layerwise_reload()
         if reload is not None:
@@ -209,6 +222,7 @@ class VLLMRollout:
                  seed: int, max_model_len: int | None, trust_remote_code: bool = False) -> None:
         from rlx.errors import require
 
+        _quiet_vllm()
         vllm = require("vllm", "vllm", "The vllm rollout engine")
         import torch
 
