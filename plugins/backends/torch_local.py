@@ -117,25 +117,13 @@ def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     itself (``is_causal``: PyTorch's flash or memory-efficient kernel on a GPU), and the valid outputs are
     packed back. The linear layers still see only the packed tokens; attention costs what it costs padded.
     A call with a mask (padded rows) is transformers' own sdpa."""
-    import torch
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    position_ids = kwargs.get("position_ids")
     if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if position_ids is None or int(position_ids.reshape(-1)[0]) != 0:
-        raise RuntimeError(f"{type(module).__name__} does not pass position ids that start at 0 to its attention: "
-                           "packed sequences cannot be told apart. Set use_remove_padding=false for this model.")
-    positions = position_ids.reshape(-1)
-    total = positions.shape[0]
-    starts = (positions == 0).nonzero().flatten()
-    lengths = torch.diff(starts, append=starts.new_tensor([total]))
-    longest = int(lengths.max())
-    steps = torch.arange(longest, device=starts.device)
-    index = (starts[:, None] + steps).clamp(max=total - 1)  # (n, L)
-    valid = steps < lengths[:, None]  # (n, L)
+    index, valid = _sequence_layout(kwargs.get("position_ids"), type(module).__name__)
 
     def unpacked(x: torch.Tensor, repeat: int) -> torch.Tensor:
         x = x[0][:, index].transpose(0, 1)  # (n, heads, L, d)
@@ -145,6 +133,31 @@ def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     out = F.scaled_dot_product_attention(unpacked(query, 1), unpacked(key, groups), unpacked(value, groups),
                                          dropout_p=dropout, scale=scaling, is_causal=True)  # (n, heads, L, d)
     return out.transpose(1, 2)[valid][None], None  # (1, T, heads, d)
+
+
+_LAYOUT: list[Any] = [None, None]  # the last packed row's position ids and its layout: every layer shares them
+
+
+def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices (sequences, longest) into the packed row and which of them are real tokens."""
+    import torch
+
+    from rlx.errors import UserError
+
+    if _LAYOUT[0] is position_ids and position_ids is not None:
+        return _LAYOUT[1]
+    if position_ids is None or int(position_ids.reshape(-1)[0]) != 0:
+        raise UserError(f"{where} does not pass position ids that start at 0 to its attention, so packed "
+                        "sequences cannot be told apart.",
+                        "Set actor.use_remove_padding=false (and critic.use_remove_padding=false) for this model.")
+    positions = position_ids.reshape(-1)
+    total = positions.shape[0]
+    starts = (positions == 0).nonzero().flatten()
+    lengths = torch.diff(starts, append=starts.new_tensor([total]))
+    steps = torch.arange(int(lengths.max()), device=starts.device)
+    layout = (starts[:, None] + steps).clamp(max=total - 1), steps < lengths[:, None]  # (n, L) each
+    _LAYOUT[:] = [position_ids, layout]
+    return layout
 
 
 def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -157,7 +170,7 @@ def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
     return sdpa_mask(*args, **kwargs)
 
 
-def use_packed_sdpa(model: Any) -> bool:
+def use_packed_sdpa(model: Any) -> None:
     """Switch a packing model on the sdpa kernel to :func:`packed_sdpa` (registered with transformers once
     per process). Models with sliding-window layers keep transformers' packed mask, which knows the window."""
     from transformers import AttentionInterface
@@ -167,11 +180,10 @@ def use_packed_sdpa(model: Any) -> bool:
     windows = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
         getattr(config, "layer_types", None) or [])
     if config._attn_implementation != "sdpa" or windows:
-        return False
+        return
     AttentionInterface.register(PACKED_SDPA, packed_sdpa)
     AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
     config._attn_implementation = PACKED_SDPA
-    return True
 
 
 def fused_head_supported(model: Any) -> bool:
