@@ -403,7 +403,9 @@ def prepare_preference(out_dir: str, *, sources: list[str] | None = None, hub_pa
     else:
         recipe = Recipe("preference", str(hub_path), None, str(hub_path), "", lambda r: None)
         raw = read_hub(recipe, hub_path)
-    source = data_source or (hub_path if hub_path else "preference")
+    # A hub id names the rows' source; a local folder given as --dataset does not.
+    is_hub_id = hub_path is not None and not Path(os.path.expanduser(hub_path)).exists()
+    source = data_source or (hub_path if is_hub_id else "preference")
     reports = []
     for split, records in sorted(raw.items()):
         rows: list[dict[str, Any]] = []

@@ -28,8 +28,9 @@ from rlx.reward_modeling import (
 
 # `rlx rm` is registered in cli/main.py by the lead; until then (and after) this runs it the same way.
 # The built-in run's pairwise validation accuracy at its last step (preset rm_tiny, 300 steps) was
-# 0.985, 0.97, 0.965, 0.945, 0.97 and 0.94 over seeds 1-6; the learning test asks for far less than the worst.
-THRESHOLD = 0.8
+# 0.985, 0.97, 0.965, 0.945, 0.97 and 0.94 over seeds 1-6, and 0.875 with the preset's seed (42), whose
+# loss stays flat longest; the learning test asks for clearly less than the worst.
+THRESHOLD = 0.75
 SHIM = ("import sys\nfrom rlx.cli import main, rm\n"
         "if not any(g.name == 'rm' for g in main.app.registered_groups):\n"
         "    main.app.add_typer(rm.app, name='rm')\n"
@@ -270,6 +271,25 @@ def test_data_prepare_preference_drops_and_counts(rlx, tmp_path):
     assert ok.returncode == 0 and "all usable" in ok.stdout, ok.stderr
 
 
+def test_data_prepare_preference_from_a_dataset_folder(rlx, tmp_path):
+    """The hub path (`datasets.load_dataset`) on a local folder in TRL's conversational form."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "hub_copy"
+    folder.mkdir()
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    write_jsonl(folder / "train.jsonl", [
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "5"}], "score_gap": 1.5},
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "6"}], "score_gap": 3.0}])
+    proc = rlx("data", "prepare", "preference", "--dataset", str(folder), "--out", str(tmp_path / "out"),
+               "--margin-key", "score_gap")
+    assert proc.returncode == 0, proc.stderr
+    assert "train: 2 pairs" in proc.stdout and "data.margin_key=margin" in proc.stdout
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    assert [r["margin"] for r in rows] == [1.5, 3.0]
+    assert rows[1]["rejected"] == [{"role": "assistant", "content": "6"}] and rows[0]["prompt"] == user
+
 def test_data_validate_preference_rows(rlx, tmp_path):
     rows = pref_rows(3)
     rows[0]["rejected"] = rows[0]["chosen"]
@@ -294,10 +314,22 @@ def test_builtin_preference_set():
     assert len({r["rejected"] for r in rows}) == 10  # every digit is some pair's wrong reply
 
 
+def test_rm_then_ppo_example_logs_the_reward_model_component(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "rm_then_ppo.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(example), "--out", str(tmp_path), "--rm-steps", "3", "--ppo-steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "rm" / "hf_model" / "model.safetensors").is_file()
+    step = json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["reward/mean"] == pytest.approx(0.7 * step["reward/arith/score"] + 0.3 * step["reward/rm/score"],
+                                                abs=1e-5)
+    assert "reward model" in proc.stdout
+
 @pytest.mark.learning
 def test_builtin_reward_model_learns(rlx, tmp_path):
     """`rlx rm train` with no arguments (preset rm_tiny): pairwise validation accuracy from chance (0.5) to
-    well above it. Measured at the preset's last step over seeds (docs/reward-modeling.md): 0.94-0.985;
+    well above it. Measured at the preset's last step over seeds (docs/reward-modeling.md): 0.875-0.985;
     the threshold leaves a wide margin below the worst seed."""
     proc = rlx("rm", "train", f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_before_train=true",
                timeout=1200)
