@@ -287,11 +287,9 @@ IGNORED: dict[str, str] = {
     AA + "strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
     "critic.strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
     AA + "optim.total_training_steps": "filled in by verl at run time",
-    RO + "gpu_memory_utilization": _PLACEMENT, RO + "tensor_model_parallel_size": _PLACEMENT,
-    RO + "enforce_eager": _PLACEMENT, RO + "free_cache_engine": _PLACEMENT, RO + "load_format": _PLACEMENT,
-    RO + "max_num_batched_tokens": _PLACEMENT, RO + "max_num_seqs": _PLACEMENT,
+    RO + "free_cache_engine": _PLACEMENT, RO + "load_format": _PLACEMENT,
     RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT, RO + "mode": _PLACEMENT,
-    RO + "dtype": _PLACEMENT, RO + "prompt_length": "rlx takes it from data.max_prompt_length",
+    RO + "prompt_length": "rlx takes it from data.max_prompt_length",
     RO + "response_length": "rlx takes it from data.max_response_length",
     RO + "calculate_log_probs": "rlx always keeps the engine's log-probs",
     MODEL + "use_shm": _PLACEMENT, MODEL + "use_fused_kernels": _PLACEMENT,
@@ -308,6 +306,17 @@ IGNORED: dict[str, str] = {
     "trainer.del_local_ckpt_after_load": "", "trainer.profile_steps": _PLACEMENT, "global_profiler.": _PLACEMENT,
     "ray_kwargs.": _PLACEMENT, "ray_init.": _PLACEMENT, "trainer.device": "",
     "reward_model.enable": "",
+}
+
+# verl's engine settings -> the option of each rlx engine that has one; with an engine that has none, the
+# setting is ignored (it is about memory or placement, not what is sampled).
+ENGINE_OPTIONS: dict[str, dict[str, str]] = {
+    RO + "gpu_memory_utilization": {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static"},
+    RO + "tensor_model_parallel_size": {"vllm": "tensor_parallel_size", "sglang": "tp_size"},
+    RO + "enforce_eager": {"vllm": "enforce_eager"},
+    RO + "max_num_batched_tokens": {"vllm": "max_num_batched_tokens"},
+    RO + "max_num_seqs": {"vllm": "max_num_seqs"},
+    RO + "dtype": {"vllm": "dtype", "sglang": "dtype", "hf": "dtype"},
 }
 
 # verl's defaults where rlx's differ, written into the translation when the verl source leaves them out.
@@ -468,14 +477,34 @@ def _critic_mini_batch(value: Any, verl: dict[str, Any]) -> None:
     raise _Ignored("equal to the actor's, which rlx's critic uses")
 
 
+def _engine_problems(name: str, pm: Any) -> list[str]:
+    """What keeps the rlx engine ``name`` from running here (its options model's own check), or []."""
+    try:
+        options = pm.get("rollout", name).load_config_model()
+        check = getattr(options, "plugin_problems", None) if options is not None else None
+        return list(check(options(), pm)) if check is not None else []
+    except Exception as exc:
+        return [str(exc)]
+
+
 def _rollout_name(value: Any, t: Translation, pm: Any) -> None:
     available = {n for (k, n) in pm.components() if k == "rollout"} if pm is not None else {"hf"}
-    if value in available:
+    problems = _engine_problems(str(value), pm) if value in available and pm is not None else []
+    if value in available and not problems:
         t.set("rollout.name", value, RO + "name")
         return
-    t.notes.append(f"{RO}name={value}: no rlx rollout engine of that name is installed here; the run uses "
-                   "'hf' (the engine changes speed, not the distribution sampled from)")
+    why = problems[0].removeprefix("name: ") if problems else "no rlx rollout engine of that name is installed"
+    t.notes.append(f"{RO}name={value}: {why}; the run uses 'hf' (the engine changes speed, not the distribution "
+                   "sampled from)")
     t.set("rollout.name", "hf", RO + "name")
+
+
+def _engine_option(key: str, value: Any, t: Translation, pm: Any) -> None:
+    engine = t.settings.get("rollout.name", "hf")
+    option = ENGINE_OPTIONS[key].get(engine)
+    if option is None or value is None or not _core_or_option_key_exists(f"rollout.{option}", t.settings, pm):
+        raise _Ignored(f"{_PLACEMENT} (the {engine} engine has no such setting)")
+    t.set(f"rollout.{option}", value, key)
 
 
 def _only_if(value: Any, fine: Any, why: str) -> None:
@@ -508,7 +537,7 @@ SPECIAL: dict[str, Special] = {
     AA + "optim.warmup_style": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.warmup_style"),
     AA + "optim.lr_scheduler_type": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.lr_scheduler_type"),
     RO + "val_kwargs.do_sample": lambda v, t, verl, pm: _val_do_sample(v, t, verl),
-    RO + "name": lambda v, t, verl, pm: _rollout_name(v, t, pm),
+    **{key: (lambda k: lambda v, t, verl, pm: _engine_option(k, v, t, pm))(key) for key in ENGINE_OPTIONS},
     RO + "log_prob_micro_batch_size_per_gpu": lambda v, t, verl, pm: _micro_batch(
         v, "actor.log_prob_micro_batch_size_per_device", t, RO + "log_prob_micro_batch_size_per_gpu",
         "log-prob micro-batch"),
@@ -578,7 +607,11 @@ def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
     elif device is not None:
         t.set("trainer.device", device, "trainer.device")
 
+    # The engine first: the engine settings that follow map onto its options.
+    _rollout_name(verl.get(RO + "name", "vllm"), t, pm)
     for key, value in verl.items():
+        if key == RO + "name":
+            continue
         if key.startswith("~"):
             t.unmapped.append((key, "Hydra key deletion"))
             continue
@@ -594,6 +627,8 @@ def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
                 if key.startswith("critic.") and t.settings.get("algorithm.name") != "ppo" \
                         and verl.get("algorithm.adv_estimator", "gae") != "gae":
                     raise _Ignored("no critic: the algorithm does not use one")
+                if value is None:
+                    raise _Ignored(f"null: rlx's default for {target} applies")
                 if not _core_or_option_key_exists(target, t.settings, pm):
                     raise _Unmapped(f"this rlx has no {target}")
                 t.set(target, value, key)

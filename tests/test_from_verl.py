@@ -145,8 +145,15 @@ def test_quickstart_translates_key_by_key(home):
     assert s["rollout.n"] == 1 and s["algorithm.use_kl_loss"] is False  # verl's defaults where rlx's differ
     assert s["reward.name"] == "router"
     assert "launcher.nproc" not in s  # one GPU
-    assert {k for k, _ in t.ignored} == {"actor_rollout_ref.rollout.tensor_model_parallel_size",
-                                         "actor_rollout_ref.rollout.gpu_memory_utilization"}
+    engine_keys = {"actor_rollout_ref.rollout.tensor_model_parallel_size",
+                   "actor_rollout_ref.rollout.gpu_memory_utilization"}
+    if s["rollout.name"] == "vllm":  # vLLM installed: its own settings carry over
+        assert (s["rollout.tensor_parallel_size"], s["rollout.gpu_memory_utilization"]) == (1, 0.4)
+        assert t.ignored == []
+    else:  # the hf engine has no such settings; they change memory and placement only
+        assert s["rollout.name"] == "hf"
+        assert {k for k, _ in t.ignored} == engine_keys
+        assert any(n.startswith("actor_rollout_ref.rollout.name=vllm: ") for n in t.notes)
 
 
 def test_quickstart_config_passes_rlx_config_validate(home):
@@ -176,7 +183,9 @@ def test_grpo_example_translates_and_validates(home):
     assert "actor_rollout_ref.actor.fsdp_config.param_offload" in ignored and "data.truncation" in ignored
     path = home / "grpo.yaml"
     path.write_text(t.to_yaml())
-    check = rlx("config", "validate", "--config", str(path), f"trainer.output_dir={home / 'run'}", home=home)
+    # With vLLM installed, its tensor_parallel_size=2 is checked against this machine's devices: use one here.
+    here = ["rollout.tensor_parallel_size=1"] if s["rollout.name"] == "vllm" else []
+    check = rlx("config", "validate", "--config", str(path), f"trainer.output_dir={home / 'run'}", *here, home=home)
     assert check.returncode == 0, check.stderr
 
 
@@ -253,6 +262,9 @@ def test_conversions_where_verl_and_rlx_differ():
     assert s["actor.optim.warmup_steps"] == 3 and s["rollout.val_temperature"] == 0.0
     assert s["launcher.name"] == "ray" and s["launcher.nproc"] == 8
     assert ("actor_rollout_ref.model.lora_rank", "0: no LoRA, the whole model trains") in t.ignored
+    nulls = translate({"data.val_batch_size": None, "actor_rollout_ref.model.tokenizer_path": None})
+    assert [k for k, _ in nulls.ignored] == ["data.val_batch_size", "actor_rollout_ref.model.tokenizer_path"]
+    assert "data.val_batch_size" not in nulls.settings and "model.tokenizer_path" not in nulls.settings
     assert t.unmapped == []
     other = translate({"algorithm.adv_estimator": "grpo_passk", "trainer.resume_mode": "resume_path",
                        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.1}, get_plugin_manager())
