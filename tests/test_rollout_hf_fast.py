@@ -73,8 +73,9 @@ class TestStaticDecoderContract(RolloutEngineContract):
     """The whole engine contract through the static decoder (on the CPU: unrecorded steps)."""
 
     def make_engine(self, model_path: str, tokenizer) -> HFRollout:
-        return HFRollout(model_path, HFRolloutOptions(micro_batch_size=8192, decoder="static"), "cpu",
-                         [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        # Prompts of a few tokens: a bucket of 8 keeps the prefill of thousands of rows small.
+        return HFRollout(model_path, HFRolloutOptions(micro_batch_size=8192, decoder="static", prompt_bucket=8),
+                         "cpu", [tokenizer.eos_token_id], tokenizer.pad_token_id)
 
 
 def test_auto_is_dynamic_on_the_cpu(policy, static):
