@@ -85,7 +85,7 @@ def read_verl_source(source: str) -> dict[str, Any]:
     """
     text = source.strip()
     path = Path(os.path.expanduser(text))
-    if "\n" not in text and text.endswith((".yaml", ".yml")):
+    if "\n" not in text and text.endswith((".yaml", ".yml")) and (path.is_file() or " " not in text):
         import yaml
 
         if not path.is_file():

@@ -291,7 +291,7 @@ def test_yaml_source_is_flattened_with_its_interpolations(tmp_path):
 
 def test_command_line_words_that_are_not_settings_are_skipped():
     keys = read_verl_source("CUDA_VISIBLE_DEVICES=0,1 python3 -m verl.trainer.main_ppo --some-flag "
-                            "+data.seed=3 ++trainer.logger='[\"console\"]' $@ ; echo data.x=1")
+                            "+data.seed=3 ++trainer.logger='[\"console\"]' --config-name=ppo.yaml $@ ; echo data.x=1")
     assert keys == {"data.seed": 3, "trainer.logger": ["console"]}
 
 
