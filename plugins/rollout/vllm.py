@@ -87,8 +87,9 @@ class VLLMRolloutOptions(BaseModel):
         default_factory=dict, description="Other vllm.EngineArgs fields, passed as they are (checked against the "
         "installed vLLM).")
 
-    def plugin_problems(self, pm: PluginManager) -> list[str]:
-        """Problems only the installed vLLM and the machine can tell (called by config validation)."""
+    def plugin_problems(self, pm: PluginManager | None) -> list[str]:
+        """Problems only the installed vLLM and the machine can tell (called by config validation, and again
+        by the factory for an engine built without it)."""
         if importlib.util.find_spec("vllm") is None:
             return [f"name: the vllm rollout engine needs the Python package `vllm`, which is not installed. "
                     f"Install it with: {INSTALL}"]
@@ -358,7 +359,7 @@ def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
     cfg = ctx.config
     assert cfg is not None and ctx.tokenizer is not None
     options = options or VLLMRolloutOptions()
-    problems = options.plugin_problems(None)  # type: ignore[arg-type]
+    problems = options.plugin_problems(None)
     if problems:
         raise UserError("The vllm rollout engine cannot start: " + "; ".join(f"rollout.{p}" for p in problems))
     tok = ctx.tokenizer
