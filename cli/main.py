@@ -18,6 +18,7 @@ from rlx.cli import eval as eval_cli
 from rlx.cli import export as export_cli
 from rlx.cli import plot as plot_cli
 from rlx.cli import replay as replay_cli
+from rlx.cli import rm as rm_cli
 from rlx.cli import scaffold
 from rlx.errors import UserError
 
@@ -28,6 +29,7 @@ config_app = typer.Typer(help="Show or check the resolved configuration.", no_ar
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 app.add_typer(data_cli.app, name="data")
+app.add_typer(rm_cli.app, name="rm")
 app.command("eval")(eval_cli.eval_command)
 app.command("export")(export_cli.export_command)
 app.command("plot")(plot_cli.plot_command)

@@ -217,6 +217,9 @@ class Trainer:
             self.launcher.phase("generate")
             self.launcher.transfer_weights(self.actor, self.rollout)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+            from rlx import provenance  # versions, plugins, data and model hashes: what `rlx replay` checks
+
+            provenance.write(self.run_dir, provenance.collect(self.config_dict, self.pm))
             self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
             if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
                 self._log(self.validate(), self.step)
