@@ -12,6 +12,7 @@ restart, is off by more than 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -253,3 +254,18 @@ def test_packed_rows_on_sdpa_build_no_tokens_by_tokens_mask(model_path):
         response_log_probs(ours.model, batch, 1.0, False, packed=True)
     assert Square.found
     assert worker(model_path, "ref", "eager").model.config._attn_implementation == "eager"
+
+
+def test_gradient_checkpointing_combines_with_packing_and_the_chunked_head(model_path):
+    """Recomputed activations (the attention's packed layout included) give the same gradients."""
+    batch = make_batch()
+    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
+    out = {}
+    for recompute in (False, True):
+        spec_ = dataclasses.replace(spec(model_path, log_prob_chunk_size=5), gradient_checkpointing=recompute)
+        w = TorchWorker(spec_, TorchBackendOptions(), "cpu")
+        assert w.packed and w.model.is_gradient_checkpointing is recompute
+        loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch)
+        loss.backward()
+        out[recompute] = grads(w.model)
+    assert_grads_close(out[True], out[False], "gradient checkpointing")
