@@ -68,12 +68,24 @@ def reinforce_plus_plus_baseline(inputs: EstimatorInputs) -> Pair:
 
 @advantage_estimator(requires=["baseline_scores"])
 def remax(inputs: EstimatorInputs) -> Pair:
-    """s_i - b_i, with b_i the score of the greedy response to the same prompt."""
+    """s_i - b_i, with b_i the score of the greedy response to the same prompt, divided by its root mean
+    square over the batch's real tokens (norm_adv_by_std=false: not divided, as verl)."""
+    import torch
+
     from rlx.plugins.algorithms import functional as F
 
     if inputs.baseline_scores is None:
         raise RuntimeError("the remax estimator needs baseline_scores (greedy-response scores)")
-    return F.remax_advantages(inputs.scores, inputs.baseline_scores, inputs.response_mask)
+    advantages, returns = F.remax_advantages(inputs.scores, inputs.baseline_scores, inputs.response_mask)
+    if not inputs.norm_adv_by_std:
+        return advantages, returns
+    # Only the size changes, not the baseline: dividing by the root mean square (not whitening, which
+    # would subtract the batch mean) keeps each step's direction ReMax's, and a batch whose advantages
+    # are all 0 stays 0.
+    rms = F.masked_mean(advantages.to(torch.float64) ** 2, inputs.response_mask).sqrt()
+    if rms == 0:
+        return advantages, returns
+    return (advantages.to(torch.float64) / rms).to(advantages.dtype), returns
 
 
 @advantage_estimator(requires=["values"])

@@ -15,6 +15,9 @@ from rlx.plugins.algorithms.base import AlgorithmOptions, make_builder
 
 class ReMaxOptions(AlgorithmOptions):
     adv_estimator: str = Field("remax", description="Advantage estimator (see grpo's options).")
+    norm_adv_by_std: bool = Field(
+        True, description="Divide the advantages r - r_greedy by their root mean square over the batch (false: "
+        "verl's unscaled advantages).")
     use_kl_loss: bool = Field(False, description="Add KL(pi || pi_ref) as a loss term.")
     use_kl_in_reward: bool = Field(True, description="Subtract beta * KL(pi_old || pi_ref) from the rewards.")
 
