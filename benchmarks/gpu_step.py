@@ -51,7 +51,8 @@ def main() -> None:
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     keys = ["timing/step", "timing/gen", "timing/old_log_prob", "timing/ref", "timing/update_actor",
-            "timing/update_weights", "perf/tokens_per_second", "response_length/mean"]
+            "timing/weight_sync", "weight_sync/bytes", "timing/sleep", "timing/wake_up", "perf/tokens_per_second",
+            "response_length/mean"]
     for r in rows:
         print(f"step {r['step']}: " + ", ".join(f"{k.split('/')[-1]} {r[k]:.3g}" for k in keys if k in r))
     steady = rows[1:] or rows
