@@ -30,6 +30,7 @@ from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.errors import UserError, describe_exception
+from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager, call_factory, describe_component
@@ -121,6 +122,7 @@ class Trainer:
                       self.config_dict, resumed=self.resume_from is not None, resumed_step=resumed_step)
         self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
         self._build_roles()
+        self.flops = self._flops_counter()
         self.loggers = {name: self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers}
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
@@ -383,6 +385,33 @@ class Trainer:
             batch = batch.index(torch.isin(batch["group_index"], first).nonzero().squeeze(-1))
         return batch, metrics
 
+    def _flops_counter(self) -> tuple[FlopsCounter, float | None] | None:
+        """The actor's FLOPs counter and the device's peak bf16 rate (None on a CPU or an unknown GPU)."""
+        from transformers import AutoConfig
+
+        try:
+            counter = FlopsCounter(AutoConfig.from_pretrained(self.model_path,
+                                                              trust_remote_code=self.cfg.model.trust_remote_code))
+        except (OSError, ValueError):  # a model type the count does not know: no MFU, training goes on
+            return None
+        peak = None
+        if self.cfg.trainer.device != "cpu" and torch.cuda.is_available():
+            peak = peak_tflops(torch.cuda.get_device_name(0))
+        return counter, peak
+
+    def _perf_metrics(self, lengths: list[int], times: dict[str, float], seconds: float) -> dict[str, float]:
+        """Tokens per second per device, each stage's share of the step and, on a known GPU, the model FLOPs
+        utilisation of the actor's passes (``rlx.flops``)."""
+        devices = max(getattr(self.actor, "world_size", 1), 1)
+        m = {"perf/throughput": sum(lengths) / max(seconds, 1e-9) / devices}
+        for key, t in times.items():
+            m[f"timing_share/{key.split('/', 1)[1]}"] = t / max(seconds, 1e-9)
+        if self.flops is not None:
+            counter, peak = self.flops
+            passes = {"update_actor": 3.0 * self.cfg.actor.ppo_epochs, "old_log_prob": 1.0, "ref": 1.0}
+            m.update(mfu_metrics(counter, lengths, times, passes, devices, peak))
+        return m
+
     def _step_metrics(self, batch: Batch, timer: Timer, seconds: float) -> dict[str, float]:
         scores = batch["scores"]
         resp_len = batch["response_mask"].sum(-1).float()
@@ -402,11 +431,8 @@ class Trainer:
         for key in batch.tensors:
             if key.startswith("reward_extra/"):
                 m[f"reward/{key.split('/', 1)[1]}"] = float(batch[key].mean())
-        if "rollout_log_probs" in batch:
-            mask = batch["response_mask"].bool()
-            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
-            m["rollout/log_prob_diff"] = float(diff.mean()) if diff.numel() else 0.0
         m.update(timer.times)
+        m.update(self._perf_metrics((resp_len + prompt_len).long().tolist(), timer.times, seconds))
         return m
 
     def _log_samples(self, batch: Batch) -> None:
