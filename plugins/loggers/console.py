@@ -76,6 +76,9 @@ LINE_FIELDS: list[tuple[str, str, Callable[[float], str], str]] = [
     ("batch/equal_score_group_ratio", "same-score groups", lambda x: f"{100 * x:.0f}%", ""),
     ("val/acc", "val acc", fmt_number, ""),
     ("val/reward/mean", "val reward", fmt_number, ""),
+    ("train/loss", "rm loss", fmt_number, ""),  # rlx rm train
+    ("train/accuracy", "pair acc", fmt_number, ""),
+    ("val/accuracy", "val pair acc", fmt_number, ""),
     ("timing/step", "", fmt_number, "s/step"),
     ("perf/tokens_per_second", "", _int, "tok/s"),
 ]
