@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_contract import check_first_token_distribution, check_stops_and_length, next_token_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
@@ -16,7 +15,7 @@ from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.plugins.rollout.hf_sampling import Sampler
 from rlx.plugins.rollout.hf_static import decode_attention
 from rlx.protocols import SamplingParams
-from rlx.testing import RolloutEngineContract
+from rlx.testing import RolloutEngineContract, check_first_token_distribution, check_stops_and_length, next_token_logits
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Every sampling option of the ``hf`` rollout engine against the distribution it must produce
-(the checks are the engine contract's, ``tests/engine_contract.py``).
+(the checks are the engine contract's, ``rlx.testing``).
 
 The policy is the built-in tiny model's architecture with larger random weights, so that its
 next-token distributions are far from uniform and differ between prompts; its exact next-token
@@ -13,7 +13,13 @@ import dataclasses
 
 import pytest
 import torch
-from engine_contract import (
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlx.batch import Batch
+from rlx.data import PromptExample, collate
+from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+from rlx.protocols import SamplingParams
+from rlx.testing import (
     assert_distinguishable,
     check_first_token_distribution,
     check_greedy,
@@ -21,12 +27,6 @@ from engine_contract import (
     next_token_logits,
     processed_distribution,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from rlx.batch import Batch
-from rlx.data import PromptExample, collate
-from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
-from rlx.protocols import SamplingParams
 
 SAMPLES = 4000  # per prompt: the 5-sigma bound is then at most 0.04 and typically 0.02
 
