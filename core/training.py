@@ -137,9 +137,10 @@ def balance_for_ranks(batch: Batch, parts: int) -> Batch:
     """``batch``'s rows reordered so that ``batch.chunk(parts)`` gives every data-parallel rank the rows it
     gives now in number, with nearly equal token counts: each row, heaviest first, goes to the rank with the
     fewest tokens that still has room. Rows keep their order within a rank. For an update the order of a
-    mini-batch's rows does not change its gradient (the loss is a sum over rows with global counts)."""
+    mini-batch's rows does not change its gradient (the loss is a sum over rows with global counts). A batch
+    without prompt and response masks is returned as it is."""
     n = len(batch)
-    if parts <= 1 or n <= parts:
+    if parts <= 1 or n <= parts or "prompt_mask" not in batch or "response_mask" not in batch:
         return batch
     tokens = row_tokens(batch)
     room = [n * (r + 1) // parts - n * r // parts for r in range(parts)]

@@ -193,6 +193,8 @@ def test_balance_for_ranks_keeps_the_row_counts_and_evens_the_tokens(model_path)
     after = [sum(row_tokens(c)) for c in balanced.chunk(2)]
     assert [len(c) for c in balanced.chunk(2)] == [len(c) for c in batch.chunk(2)]
     assert max(before) - min(before) == 14 and max(after) - min(after) <= 2
+    plain = Batch({"x": torch.arange(8)})
+    assert balance_for_ranks(plain, 2) is plain  # nothing to count tokens by
     # the order of a mini-batch's rows does not change its update
     a, b = make(model_path, micro=2), make(model_path, micro=2)
     a.train_step(batch, grpo_loss())
