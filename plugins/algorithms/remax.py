@@ -2,7 +2,8 @@
 
 The baseline of a response is the reward of the greedy response to the same prompt: the trainer
 generates one greedy response per prompt (because the ``remax`` estimator requires
-``baseline_scores``), scores it, and A_i = r_i - r_greedy. KL to the reference is a reward penalty.
+``baseline_scores``), scores it, and A_i = r_i - r_greedy, divided by its root mean square over the batch
+(``norm_adv_by_std``; verl does not divide: ``false``). KL to the reference is a reward penalty.
 """
 
 from __future__ import annotations
