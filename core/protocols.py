@@ -187,7 +187,7 @@ class EstimatorInputs:
     baseline_scores: torch.Tensor | None = None  # (B,) greedy-response scores (``requires={"baseline_scores"}``)
     gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE lambda
-    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+    norm_adv_by_std: bool = True  # grpo: by the group's std (false: Dr. GRPO); remax: by the batch RMS
     options: dict[str, Any] = field(default_factory=dict)  # algorithm.estimator_options, for plugins
     batch: Batch | None = None  # the whole batch, for anything else
 

@@ -175,11 +175,21 @@ def test_gae_through_the_algorithm_equals_returns_minus_values(pm):
 
 
 def test_remax_uses_the_greedy_baseline(pm):
-    alg = build(pm, "remax", use_kl_in_reward=False)
+    alg = build(pm, "remax", use_kl_in_reward=False, norm_adv_by_std=False)
     b = scored_batch([1.0, 0.0, 0.5, 0.25], baseline_scores=t([0.5, 0.5, 1.0, 1.0]),
                      baseline_response_length=torch.tensor([1, 1, 2, 2]))
     alg.compute_advantages(b)
     torch.testing.assert_close(b["advantages"], t([0.5, -0.5, -0.5, -0.75])[:, None] * MASK)
+
+
+def test_remax_scales_its_advantages_by_default(pm):
+    """remax's default (norm_adv_by_std=true): r - r_greedy divided by its root mean square over the real tokens."""
+    alg = build(pm, "remax", use_kl_in_reward=False)
+    b = scored_batch([1.0, 0.0, 0.5, 0.25], baseline_scores=t([0.5, 0.5, 1.0, 1.0]),
+                     baseline_response_length=torch.tensor([1, 1, 2, 2]))
+    alg.compute_advantages(b)
+    unscaled = t([0.5, -0.5, -0.5, -0.75])[:, None] * MASK
+    torch.testing.assert_close(b["advantages"], unscaled / unscaled[MASK.bool()].pow(2).mean().sqrt())
 
 
 # ---------------------------------------------------------------------------------------------

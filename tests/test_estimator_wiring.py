@@ -55,9 +55,33 @@ def test_group_baselines_use_the_group_index(estimators):
 
 
 def test_remax_subtracts_the_greedy_score(estimators):
-    inputs = one_reward_at_the_end(baseline_scores=torch.tensor([0.25, 0.5]))
+    inputs = one_reward_at_the_end(baseline_scores=torch.tensor([0.25, 0.5]), norm_adv_by_std=False)
     adv, _ = estimators("remax")(inputs)
     torch.testing.assert_close(adv, torch.tensor([[0.75] * 3, [-0.5] * 3]))
+
+
+def test_remax_divides_by_the_root_mean_square(estimators):
+    """norm_adv_by_std (remax's default): s - b divided by its root mean square over the real tokens, not
+    whitened: no batch mean is subtracted, so the greedy baseline alone decides each advantage's sign."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    scores = torch.tensor([1.0, 1.0, 0.0])
+
+    def remax(baseline: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        return estimators("remax")(EstimatorInputs(
+            response_mask=mask, scores=scores, token_level_rewards=torch.zeros(3, 3),
+            group_index=torch.tensor([0, 1, 2]), baseline_scores=torch.tensor(baseline)))
+
+    # s - b = 1, 0.5, 0 on 2, 1 and 3 tokens: mean square (1 + 1 + 0.25 + 0) / 6 = 0.375
+    adv, returns = remax([0.0, 0.5, 0.0])
+    rms = 0.375 ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([[1 / rms] * 2 + [0.0], [0.5 / rms, 0.0, 0.0], [0.0] * 3]))
+    torch.testing.assert_close(returns, scores[:, None] * mask)  # the returns stay the scores
+    # Every response better than its greedy one by the same amount: whitening would give 0, scaling gives 1.
+    adv, _ = remax([0.5, 0.5, -0.5])
+    torch.testing.assert_close(adv, mask)
+    # Every response as good as its greedy one: 0, not 0 / 0.
+    adv, _ = remax([1.0, 1.0, 0.0])
+    assert bool((adv == 0).all())
 
 
 @pytest.mark.parametrize(("name", "needs"), [("gae", "needs the critic's values"),

@@ -60,7 +60,8 @@ class AlgorithmOptions(BaseModel):
     adv_estimator: str = Field(
         "grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
         "remax, gae, or one a plugin registers (rlx plugins list shows kind 'advantage').")
-    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std (false: Dr. GRPO).")
+    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std (false: Dr. GRPO); remax: "
+                                  "divide by the batch's root mean square (false: verl's unscaled r - r_greedy).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (bias-variance trade-off of gae).")
     estimator_options: dict[str, Any] = Field(
