@@ -182,9 +182,16 @@ def test_remax_uses_the_greedy_baseline(pm):
     torch.testing.assert_close(b["advantages"], t([0.5, -0.5, -0.5, -0.75])[:, None] * MASK)
 
 
-def test_remax_scales_its_advantages_by_default(pm):
-    """remax's default (norm_adv_by_std=true): r - r_greedy divided by its root mean square over the real tokens."""
-    alg = build(pm, "remax", use_kl_in_reward=False)
+def test_remax_default_is_verls_unscaled_advantage(pm):
+    b = scored_batch([1.0, 0.0, 0.5, 0.25], baseline_scores=t([0.5, 0.5, 1.0, 1.0]),
+                     baseline_response_length=torch.tensor([1, 1, 2, 2]))
+    build(pm, "remax", use_kl_in_reward=False).compute_advantages(b)
+    torch.testing.assert_close(b["advantages"], t([0.5, -0.5, -0.5, -0.75])[:, None] * MASK)
+
+
+def test_remax_can_scale_its_advantages(pm):
+    """norm_adv_by_std=true: r - r_greedy divided by its root mean square over the real tokens."""
+    alg = build(pm, "remax", use_kl_in_reward=False, norm_adv_by_std=True)
     b = scored_batch([1.0, 0.0, 0.5, 0.25], baseline_scores=t([0.5, 0.5, 1.0, 1.0]),
                      baseline_response_length=torch.tensor([1, 1, 2, 2]))
     alg.compute_advantages(b)

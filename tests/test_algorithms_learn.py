@@ -11,9 +11,9 @@ none against a wrong answer the greedy reply shares) and keeps its 120. The thre
 5-seed measurements in docs/benchmarks.md (`benchmarks/builtin_learning.py`), taken on this 2-core
 machine and on a second machine with another CPU and torch version, where the same seeds follow other
 floating-point trajectories. At step 80 the lowest accuracy measured was 0.61 (grpo), 0.69 (rloo), 0.91
-(reinforce_plus_plus), 0.86 (dapo) and 0.88 (ppo), the lowest reward rise 0.37; ReMax (advantages
-scaled to a root mean square of 1, its default; measured on this machine only) at step 120: 0.77 (seed
-4; 0.80-0.94 the other four) and 0.64. The thresholds sit well below all of these and far above chance,
+(reinforce_plus_plus), 0.86 (dapo) and 0.88 (ppo), the lowest reward rise 0.37; ReMax (verl's unscaled
+advantages, its default) at step 120: 0.46 (seed 1 on this machine; 0.97 on the other) and 0.28. The
+thresholds sit well below all of these and far above chance,
 so another CPU's rounding does not decide the outcome, while a policy that does not learn (accuracy
 about 0.1) fails (ReMax with lr 1e-12: accuracy 0.02 at step 120). The runs go two at a time, one torch thread each.
 A weaker learner can still pass: with the KL loss's gradient removed grpo reached 0.43 at step 80;
@@ -42,7 +42,7 @@ THRESHOLDS = {
     "reinforce_plus_plus": (80, 0.4, 0.2),
     "dapo": (80, 0.4, 0.2),
     "ppo": (80, 0.4, 0.2),
-    "remax": (120, 0.5, 0.35),
+    "remax": (120, 0.25, 0.12),
 }
 # Metrics each algorithm must report besides the common ones.
 EXTRA_METRICS = {

@@ -2,8 +2,8 @@
 
 The baseline of a response is the reward of the greedy response to the same prompt: the trainer
 generates one greedy response per prompt (because the ``remax`` estimator requires
-``baseline_scores``), scores it, and A_i = r_i - r_greedy, divided by its root mean square over the batch
-(``norm_adv_by_std``; verl does not divide: ``false``). KL to the reference is a reward penalty.
+``baseline_scores``), scores it, and A_i = r_i - r_greedy, unscaled as in verl (``norm_adv_by_std=true``
+divides it by its root mean square over the batch). KL to the reference is a reward penalty.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from rlx.plugins.algorithms.base import AlgorithmOptions, make_builder
 class ReMaxOptions(AlgorithmOptions):
     adv_estimator: str = Field("remax", description="Advantage estimator (see grpo's options).")
     norm_adv_by_std: bool = Field(
-        True, description="Divide the advantages r - r_greedy by their root mean square over the batch (false: "
-        "verl's unscaled advantages).")
+        False, description="Divide the advantages r - r_greedy by their root mean square over the batch (false, "
+        "the default: verl's unscaled advantages).")
     use_kl_loss: bool = Field(False, description="Add KL(pi || pi_ref) as a loss term.")
     use_kl_in_reward: bool = Field(True, description="Subtract beta * KL(pi_old || pi_ref) from the rewards.")
 
