@@ -83,4 +83,4 @@ def test_pyproject_declares_the_rlx_entry_point():
     tomllib = pytest.importorskip("tomllib")
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["rlx"] == {"length": "rlx_reward_length"}
-    assert "rlx" in meta["project"]["dependencies"]
+    assert "rlx>=0.1.0,<0.2" in meta["project"]["dependencies"]  # a range of rlx releases, not any
