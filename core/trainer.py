@@ -405,7 +405,7 @@ class Trainer:
         devices = max(getattr(self.actor, "world_size", 1), 1)
         m = {"perf/throughput": sum(lengths) / max(seconds, 1e-9) / devices}
         for key, t in times.items():
-            m[f"timing_share/{key.split('/', 1)[1]}"] = t / max(seconds, 1e-9)
+            m[f"perf/time_share/{key.split('/', 1)[1]}"] = t / max(seconds, 1e-9)
         if self.flops is not None:
             counter, peak = self.flops
             passes = {"update_actor": 3.0 * self.cfg.actor.ppo_epochs, "old_log_prob": 1.0, "ref": 1.0}

@@ -54,7 +54,7 @@ def test_default_job_learns(tmp_path: Path) -> None:
     assert "val acc" in result.stdout  # validation is shown on the console, next to the reward
     for key in ("reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "timing/gen", "timing/update_actor",
-                "perf/tokens_per_second", "perf/throughput", "timing_share/gen", "timing_share/update_actor"):
+                "perf/tokens_per_second", "perf/throughput", "perf/time_share/gen", "perf/time_share/update_actor"):
         assert key in rows[-1], key
     assert "val/reward/mean" in rows[-1]
     assert "step 120/120" in result.stdout
