@@ -227,3 +227,32 @@ def torch_load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
                         f"running code ({first}).",
                         "rlx never unpickles checkpoint files, since that can run code. Use a checkpoint "
                         "written by rlx, or re-save its tensors with safetensors.") from None
+
+
+def resume_point(ckpt_root: Path, run_dir: Path, mode: str) -> Path | None:
+    """The checkpoint a run in ``run_dir`` resumes from under ``trainer.resume`` = ``mode`` (auto, must,
+    never): the newest one whose files are all as they were written (:func:`verify`).
+
+    A damaged newer checkpoint is named and skipped; if checkpoints exist but none verifies, the run
+    stops rather than start over in a folder that holds a run.
+    """
+    import sys
+
+    last, rejected = latest_verified(ckpt_root)
+    for path, why in rejected:
+        print(f"Warning: checkpoint {path.name} cannot be trusted ({why}); "
+              + (f"using {last.name} instead." if last is not None else "skipping it."), file=sys.stderr)
+    if last is None and rejected and mode != "never":
+        raise UserError(f"{ckpt_root} holds checkpoints, but none can be trusted: "
+                        + "; ".join(f"{p.name}: {why}" for p, why in rejected) + ".",
+                        "Delete the damaged checkpoint folders to start over, or choose another "
+                        "trainer.output_dir or trainer.experiment.")
+    if mode == "must" and last is None:
+        raise UserError(f"--resume was asked for, but {ckpt_root} holds no complete checkpoint.",
+                        "Check trainer.output_dir (and trainer.project/experiment).")
+    if mode == "never" and (last is not None or rejected):
+        name = (last or rejected[0][0]).name
+        raise UserError(f"{run_dir} already holds checkpoints (latest {name}); a new run would "
+                        "overwrite them.",
+                        "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
+    return last

@@ -313,7 +313,7 @@ class RewardModelTrainer:
         self.start = start_kind(self.model_path, cfg.model.trust_remote_code)
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.resume_from = self._find_resume()
+        self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, self.cfg.trainer.resume)
         checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
@@ -354,27 +354,6 @@ class RewardModelTrainer:
                         for name in cfg.trainer.loggers}
         self.step = 0
         self.saved_step: int | None = None
-
-    def _find_resume(self) -> Path | None:
-        mode = self.cfg.trainer.resume
-        last, rejected = checkpoint.latest_verified(self.ckpt_root)
-        for path, why in rejected:
-            print(f"Warning: checkpoint {path.name} cannot be trusted ({why}); "
-                  + (f"using {last.name} instead." if last is not None else "skipping it."), file=sys.stderr)
-        if last is None and rejected and mode != "never":
-            raise UserError(f"{self.ckpt_root} holds checkpoints, but none can be trusted: "
-                            + "; ".join(f"{p.name}: {why}" for p, why in rejected) + ".",
-                            "Delete the damaged checkpoint folders to start over, or choose another "
-                            "trainer.output_dir or trainer.experiment.")
-        if mode == "must" and last is None:
-            raise UserError(f"--resume was asked for, but {self.ckpt_root} holds no complete checkpoint.",
-                            "Check trainer.output_dir (and trainer.project/experiment).")
-        if mode == "never" and (last is not None or rejected):
-            name = (last or rejected[0][0]).name
-            raise UserError(f"{self.run_dir} already holds checkpoints (latest {name}); a new run would "
-                            "overwrite them.",
-                            "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
-        return last
 
     def fit(self) -> dict[str, float]:
         import yaml

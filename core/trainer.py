@@ -91,7 +91,7 @@ class Trainer:
                                key="critic.model_path")
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.resume_from = self._find_resume()
+        self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, cfg.trainer.resume)
         checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
@@ -128,32 +128,6 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
 
     # -- set-up -------------------------------------------------------------------------------
-    def _find_resume(self) -> Path | None:
-        """The newest checkpoint whose files are all as they were written (``checkpoint.verify``).
-
-        A damaged newer checkpoint is named and skipped; if checkpoints exist but none verifies, the run
-        stops rather than start over in a folder that holds a run.
-        """
-        mode = self.cfg.trainer.resume
-        last, rejected = checkpoint.latest_verified(self.ckpt_root)
-        for path, why in rejected:
-            print(f"Warning: checkpoint {path.name} cannot be trusted ({why}); "
-                  + (f"using {last.name} instead." if last is not None else "skipping it."), file=sys.stderr)
-        if last is None and rejected and mode != "never":
-            raise UserError(f"{self.ckpt_root} holds checkpoints, but none can be trusted: "
-                            + "; ".join(f"{p.name}: {why}" for p, why in rejected) + ".",
-                            "Delete the damaged checkpoint folders to start over, or choose another "
-                            "trainer.output_dir or trainer.experiment.")
-        if mode == "must" and last is None:
-            raise UserError(f"--resume was asked for, but {self.ckpt_root} holds no complete checkpoint.",
-                            "Check trainer.output_dir (and trainer.project/experiment).")
-        if mode == "never" and (last is not None or rejected):
-            name = (last or rejected[0][0]).name
-            raise UserError(f"{self.run_dir} already holds checkpoints (latest {name}); a new run would "
-                            "overwrite them.",
-                            "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
-        return last
-
     def _build(self, kind: str, name: str, options_key: str) -> Any:
         return self.pm.build(kind, name, self.resolved.options.get(options_key), self.ctx)
 
