@@ -61,6 +61,7 @@ __all__ = [
     "make_peaked_model",
     "manual_greedy",
     "next_token_logits",
+    "options_changed",
     "pick_top_p",
     "processed_distribution",
 ]
@@ -115,7 +116,8 @@ def assert_distinguishable(expected: torch.Tensor, wrong: torch.Tensor, samples:
     assert float(margin.max()) > 0, "the two distributions are too close for this many samples"
 
 
-def _options_changed(params: SamplingParams) -> list[str]:
+def options_changed(params: SamplingParams) -> list[str]:
+    """The sampling options of ``params`` that differ from their defaults."""
     defaults = SamplingParams()
     return [o for o in ("temperature", "top_k", "top_p") if getattr(params, o) != getattr(defaults, o)]
 
@@ -144,7 +146,7 @@ def pick_top_p(logits: torch.Tensor, params: SamplingParams) -> SamplingParams:
     for top_p in torch.arange(params.top_p - 0.1, params.top_p + 0.1001, 0.0025, dtype=torch.float64).tolist():
         gap = float((boundaries - top_p).abs().min())
         candidate = dataclasses.replace(params, top_p=round(top_p, 4))
-        if gap > best_gap and all(_distinguishable(logits, candidate, o) for o in _options_changed(candidate)):
+        if gap > best_gap and all(_distinguishable(logits, candidate, o) for o in options_changed(candidate)):
             best, best_gap = candidate, gap
     assert best is not None, f"no clean, telling top_p near {params.top_p}"
     return best
@@ -403,7 +405,7 @@ class RolloutEngineContract:
             "all_three": SamplingParams(n=self.samples, temperature=1.3, top_k=5, top_p=0.7),
         }[case]
         params = pick_top_p(logits, params)
-        for option in _options_changed(params):  # the check would catch this option being ignored
+        for option in options_changed(params):  # the check would catch this option being ignored
             assert _distinguishable(logits, params, option), option
         check_first_token_distribution(engine, prompts, logits, params, seed=7, atol=max(self.logprob_atol, 2e-4),
                                        log_probs_after_filters=self.log_probs_after_filters)

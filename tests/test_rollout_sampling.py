@@ -25,6 +25,8 @@ from rlx.testing import (
     check_greedy,
     check_stops_and_length,
     next_token_logits,
+    options_changed,
+    pick_top_p,
     processed_distribution,
 )
 
@@ -91,39 +93,8 @@ CASES = {
 
 
 def resolve(case: str, logits: torch.Tensor) -> SamplingParams:
-    """The case's parameters, with top_p moved (by at most 0.1) to a value clearly inside a gap between
-    the nucleus boundaries of both prompts (a token whose preceding mass equals top_p could fall on
-    either side through float rounding) at which leaving out any one option gives a distribution the
-    sampling check rejects: the model's exact distribution is not fixed here, so neither is top_p."""
-    params = CASES[case]
-    if params.top_p >= 1.0:
-        return params
-    sorted_p = processed_distribution(logits, dataclasses.replace(params, top_p=1.0)).double().sort(
-        dim=-1, descending=True).values
-    boundaries = (sorted_p.cumsum(-1) - sorted_p).flatten()
-    best, best_gap = None, 0.003
-    for top_p in torch.arange(params.top_p - 0.1, params.top_p + 0.1001, 0.0025, dtype=torch.float64).tolist():
-        gap = float((boundaries - top_p).abs().min())
-        candidate = dataclasses.replace(params, top_p=round(top_p, 4))
-        if gap > best_gap and all(distinguishable(logits, candidate, option) for option in changed(candidate)):
-            best, best_gap = candidate, gap
-    assert best is not None, f"no clean, telling top_p near {params.top_p} for case {case}"
-    return best
-
-
-def changed(params: SamplingParams) -> list[str]:
-    defaults = SamplingParams()
-    return [o for o in ("temperature", "top_k", "top_p") if getattr(params, o) != getattr(defaults, o)]
-
-
-def distinguishable(logits: torch.Tensor, params: SamplingParams, option: str) -> bool:
-    ignored = dataclasses.replace(params, **{option: getattr(SamplingParams(), option)})
-    try:
-        assert_distinguishable(processed_distribution(logits, params),
-                               processed_distribution(logits, ignored, strict=False), params.n)
-    except AssertionError:
-        return False
-    return True
+    """The case's parameters with top_p moved to a clean, telling value (``rlx.testing.pick_top_p``)."""
+    return pick_top_p(logits, CASES[case])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -137,7 +108,7 @@ def test_each_case_tells_a_missing_option_apart(logits, case):
     """Dropping any one option of a case gives a distribution the sampling check rejects: the cases
     above would fail if the engine ignored temperature, top_k or top_p."""
     params = resolve(case, logits)
-    for option in changed(params):
+    for option in options_changed(params):
         ignored = dataclasses.replace(params, **{option: getattr(SamplingParams(), option)})
         assert_distinguishable(processed_distribution(logits, params),
                                processed_distribution(logits, ignored, strict=False), params.n)
