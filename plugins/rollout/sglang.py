@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
+from rlx.plugins.rollout import process_rank
 from rlx.protocols import SamplingParams
 
 if TYPE_CHECKING:
@@ -340,12 +341,6 @@ class SGLangRollout:
             engine.shutdown()
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def build(options: SGLangRolloutOptions | None, ctx: BuildContext) -> SGLangRollout:
     from rlx.data import resolve_path
 
@@ -359,7 +354,7 @@ def build(options: SGLangRolloutOptions | None, ctx: BuildContext) -> SGLangRoll
     eos = tok.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     return SGLangRollout(resolve_path(cfg.model.path), options, eos_token_ids=eos_ids, pad_token_id=tok.pad_token_id,
-                         seed=cfg.trainer.seed + _rank(), trust_remote_code=cfg.model.trust_remote_code,
+                         seed=cfg.trainer.seed + process_rank(), trust_remote_code=cfg.model.trust_remote_code,
                          context_length=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
 

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
+from rlx.plugins.rollout import process_rank
 from rlx.protocols import SamplingParams
 
 if TYPE_CHECKING:
@@ -346,13 +347,6 @@ class VLLMRollout:
                 shutdown()
 
 
-def _rank() -> int:
-    """This process's rank under torch.distributed (0 alone): each rank's engine samples with its own seed."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
     from rlx.data import resolve_path
 
@@ -364,7 +358,7 @@ def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
         raise UserError("The vllm rollout engine cannot start: " + "; ".join(f"rollout.{p}" for p in problems))
     tok = ctx.tokenizer
     eos = tok.eos_token_id
-    rank = _rank()
+    rank = process_rank()
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     return VLLMRollout(resolve_path(cfg.model.path), options, eos_token_ids=eos_ids, pad_token_id=tok.pad_token_id,
                        seed=cfg.trainer.seed + rank, trust_remote_code=cfg.model.trust_remote_code,
