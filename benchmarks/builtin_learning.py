@@ -66,7 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
-    parser.add_argument("--jobs", type=int, default=2, choices=[1, 2], help="runs at a time (each one thread)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="runs at a time, each on one thread (2 on a 2-core machine; up to the cores elsewhere)")
     parser.add_argument("--out", type=Path, default=Path("outputs/builtin_learning"))
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.total_steps=60")
     args = parser.parse_args()
