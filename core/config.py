@@ -120,6 +120,9 @@ class ActorConfig(_Section):
         1024, ge=0, le=MAX_TOKEN_BUDGET, description="Log-probs and entropy from the head this many response "
         "positions at a time (compute dtype, float32 reduction), never a float32 copy of all the logits; "
         "0: the plain path (all response logits in float32).")
+    ulysses_sequence_parallel_size: int = Field(
+        1, ge=1, le=1024, description="Ulysses sequence parallelism: each sequence's tokens split over this many "
+        "processes (fsdp/fsdp2 backends, packed sequences); must divide the processes and the attention heads.")
 
 
 class CriticOptimConfig(OptimConfig):
@@ -154,6 +157,9 @@ class CriticConfig(_Section):
     forward_max_token_len_per_gpu: int = Field(
         32768, gt=0, le=MAX_TOKEN_BUDGET, description="Most prompt + response tokens in one value forward pass "
         "(use_dynamic_bsz).")
+    ulysses_sequence_parallel_size: int = Field(
+        1, ge=1, le=1024, description="Ulysses sequence parallelism: each sequence's tokens split over this many "
+        "processes (fsdp/fsdp2 backends, packed sequences); must divide the processes and the attention heads.")
 
 
 class ComponentSection(BaseModel):

@@ -165,14 +165,16 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
                 "ppo_max_token_len": c.ppo_max_token_len_per_gpu,
                 "ppo_max_token_len_option": "critic.ppo_max_token_len_per_gpu",
                 "log_prob_max_token_len": c.forward_max_token_len_per_gpu,
-                "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu"}
+                "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu",
+                "ulysses_sequence_parallel_size": c.ulysses_sequence_parallel_size}
     a = config.actor
     return {"use_remove_padding": a.use_remove_padding, "use_dynamic_bsz": a.use_dynamic_bsz,
             "log_prob_chunk_size": a.log_prob_chunk_size,
             "ppo_max_token_len": a.ppo_max_token_len_per_gpu,
             "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
             "log_prob_max_token_len": a.log_prob_max_token_len_per_gpu,
-            "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu"}
+            "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
+            "ulysses_sequence_parallel_size": a.ulysses_sequence_parallel_size}
 
 
 def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
