@@ -65,10 +65,20 @@ from rlx.plugins.backends.torch_local import (
     settings_of,
     with_role_settings,
 )
-from rlx.protocols import RoleSpec
+from rlx.plugins.backends.ulysses import (
+    SequenceParallel,
+    check_heads,
+    check_processes,
+    option_name,
+    ulysses_size,
+    use_ulysses_attention,
+)
+from rlx.protocols import DispatchInfo, RoleSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from rlx.batch import Batch
 
 DCP_DIR = "dcp"
 
@@ -249,9 +259,11 @@ class FSDPWorker(TorchWorker):
         self.spec, self.options, self.engine = spec, options, engine
         self.device = rank_device(device)
         check_attention(options.attn_implementation, self.device, spec)
-        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.rank, world = dist.get_rank(), dist.get_world_size()
         self.comm_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.mesh = init_device_mesh(torch.device(self.device).type, (self.dp_size,))
+        # Parameters are sharded over every rank (as verl does), sequence-parallel groups included.
+        self.mesh = init_device_mesh(torch.device(self.device).type, (world,))
+        self._set_up_groups(world)
         self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
         # Trainable roles keep float32 master weights and compute in model.dtype through FSDP's mixed
         # precision; a frozen role (the reference) is stored in model.dtype.
@@ -260,7 +272,7 @@ class FSDPWorker(TorchWorker):
         torch.manual_seed(spec.seed)
         # FSDP1 divides the reduced gradients by the number of ranks, but a loss is already divided by the
         # global token count: multiplying it back makes the reduction a sum.
-        self.loss_scale = float(self.dp_size) if engine == "fsdp" else 1.0
+        self.loss_scale = float(world) if engine == "fsdp" else 1.0
         if engine == "fsdp2":
             self.model = self._build_fsdp2()
             self._set_up_forward(self.model)
@@ -269,7 +281,68 @@ class FSDPWorker(TorchWorker):
             self._set_up_forward(self.model.module)  # the Hugging Face model inside the FSDP1 wrapper
         self._set_up_optimizer()
 
+    def _set_up_groups(self, world: int) -> None:
+        """Data-parallel and Ulysses sequence-parallel groups: groups of ``sp`` consecutive ranks share one
+        data-parallel rank (``rlx.plugins.backends.ulysses``); without sequence parallelism every rank is
+        its own data-parallel rank of the world group."""
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = ulysses_size(self.spec.extra, self.spec.role)
+        self.sp_size, self.sp = size, None
+        self.dp_size, self.dp_rank, self.dp_group = world // size, self.rank // size, None
+        if size == 1:
+            return
+        check_processes(size, world, self.spec.role)
+        check_heads(size, self._config(), self.spec.role)
+        grid = init_device_mesh(torch.device(self.device).type, (world // size, size), mesh_dim_names=("dp", "sp"))
+        self.dp_group = grid.get_group("dp")
+        self.sp = SequenceParallel(grid.get_group("sp"), size, self.rank % size)
+
+    def dispatch_info(self) -> DispatchInfo:
+        """A sequence-parallel group is one data-parallel rank: all its ranks get that rank's share, and its
+        first rank returns the results (the others hold the same)."""
+        return DispatchInfo(self.dp_rank, self.dp_size, collect=self.rank % self.sp_size == 0)
+
+    def _set_up_forward(self, hf_model: Any) -> None:
+        super()._set_up_forward(hf_model)
+        if self.sp is None:
+            return
+        option = option_name(self.spec.role)
+        if not self.packed:
+            padding = "critic" if self.spec.role == "critic" else "actor"
+            raise UserError(f"{option}={self.sp_size} needs packed sequences, but "
+                            + (f"{padding}.use_remove_padding is false." if not self.spec.extra.get(
+                                "use_remove_padding", True) else f"the {self.spec.role} model cannot pack them "
+                               "(its attention does not go through transformers' attention interface)."),
+                            f"Set {padding}.use_remove_padding=true, or {option}=1.")
+        use_ulysses_attention(hf_model, self.spec.role)
+        # A token budget is per GPU, and a sequence-parallel group of sp GPUs holds sp times as many (verl's
+        # rule), so a micro-batch of a group may hold that many.
+        if self.update_budget is not None and self.forward_budget is not None:
+            scale = f" x {option}"
+            self.update_budget = (self.update_budget[0] * self.sp_size, self.update_budget[1] + scale)
+            self.forward_budget = (self.forward_budget[0] * self.sp_size, self.forward_budget[1] + scale)
+
+    def _log_probs(self, micro: Batch, temperature: float, with_entropy: bool,
+                   entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+        if self.sp is None:
+            return super()._log_probs(micro, temperature, with_entropy, entropy_grad)
+        log_probs, entropy = self.sp.log_probs(self.model, self.hf_model, micro, temperature, with_entropy,
+                                               entropy_grad, self.chunk_size)
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        if self.sp is None:
+            return super()._values(micro)
+        return self.sp.values(self.model, micro).float()
+
     # -- building --------------------------------------------------------------------------------
+    def _config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.spec.model_path, trust_remote_code=self.spec.trust_remote_code)
+
     def _load_full(self) -> Any:
         """The role's Hugging Face model from its folder, on the CPU in the master dtype."""
         from transformers import AutoModelForCausalLM
@@ -338,7 +411,7 @@ class FSDPWorker(TorchWorker):
                             "Upgrade torch, or use --backend fsdp.")
         model = self._empty_model()
         self._prepare(model)
-        full = self._load_full() if self.dp_rank == 0 else None
+        full = self._load_full() if self.rank == 0 else None
         mp = MixedPrecisionPolicy()
         if self.spec.trainable and self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
@@ -398,7 +471,7 @@ class FSDPWorker(TorchWorker):
         if self.dp_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
         return [float(v) for v in t.tolist()]
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -490,7 +563,7 @@ class FSDPWorker(TorchWorker):
                                  "cuda_rng": torch.cuda.get_rng_state() if self.device != "cpu" else None}
         if self.scheduler is not None:
             local["scheduler"] = self.scheduler.state_dict()
-        torch.save(local, os.path.join(path, f"rank{self.dp_rank}.pt"))
+        torch.save(local, os.path.join(path, f"rank{self.rank}.pt"))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -526,7 +599,7 @@ class FSDPWorker(TorchWorker):
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-        own = os.path.join(path, f"rank{self.dp_rank}.pt")
+        own = os.path.join(path, f"rank{self.rank}.pt")
         local = torch_load(own if os.path.exists(own) else os.path.join(path, "rank0.pt"))
         if self.scheduler is not None:
             restore_scheduler(self.scheduler, local["scheduler"])
@@ -535,7 +608,7 @@ class FSDPWorker(TorchWorker):
             if local["cuda_rng"] is not None and self.device != "cpu":
                 torch.cuda.set_rng_state(local["cuda_rng"])
         else:  # a rank that did not exist when the checkpoint was written
-            torch.manual_seed(self.spec.seed + self.dp_rank)
+            torch.manual_seed(self.spec.seed + self.rank)
 
     def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
         """Rank 0 writes a Hugging Face folder (safetensors, config, generation config, tokenizer) from the
@@ -547,9 +620,9 @@ class FSDPWorker(TorchWorker):
         # state dict with CPU offload crashes on CPU parameters in torch 2.13.)
         state = {}
         for name, tensor in self.named_weights():
-            if self.dp_rank == 0:
+            if self.rank == 0:
                 state[name] = tensor.to("cpu", copy=True)
-        if self.dp_rank == 0:
+        if self.rank == 0:
             with torch.device("meta"):
                 shell = self.hf_class(self.hf_config)
             if self.generation_config is not None:
