@@ -55,9 +55,13 @@ def export_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="The Hugging Face model folder to write.")],
     role: Annotated[str, typer.Option("--role", help="actor (the policy) or critic (the value model).")] = "actor",
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it already holds files.")] = False,
+    adapter_only: Annotated[bool, typer.Option(
+        "--adapter-only", help="A LoRA run (model.lora_rank > 0): write the peft adapter folder "
+        "(PeftModel.from_pretrained(base, OUT) loads it) instead of the merged model.")] = False,
 ) -> None:
     """Write a checkpoint's model as a Hugging Face folder (safetensors, config, generation config, tokenizer)
-    that from_pretrained loads."""
+    that from_pretrained loads. A LoRA run's model is written merged (base + adapter), or with
+    --adapter-only as the adapter alone."""
     from rlx import checkpoint
 
     if role not in ROLES:
@@ -83,6 +87,9 @@ def export_command(
                            overrides=["trainer.device=cpu", "launcher.name=local", "launcher.nproc=1"],
                            check_files=False)
     cfg = resolved.config
+    if adapter_only and cfg.model.lora_rank == 0:
+        raise UserError(f"--adapter-only: the run of {ckpt} has no LoRA adapter (model.lora_rank=0: it trained "
+                        "every weight).", "Export the whole model: leave out --adapter-only.")
 
     from rlx.context import BuildContext
     from rlx.data import resolve_path
@@ -102,6 +109,12 @@ def export_command(
     tmp = out.with_name(f".tmp-{out.name}")
     checkpoint.remove_tree(tmp)
     checkpoint.make_dir(tmp)
-    worker.save_pretrained(str(tmp), tokenizer)
+    if adapter_only:
+        if not hasattr(worker, "save_adapter"):
+            raise UserError(f"--adapter-only: the {cfg.backend.name} backend cannot write a LoRA adapter folder.",
+                            "Export the merged model: leave out --adapter-only.")
+        worker.save_adapter(str(tmp), tokenizer)
+    else:
+        worker.save_pretrained(str(tmp), tokenizer)
     checkpoint.replace_dir(tmp, out)
-    typer.echo(f"Exported the {role} of {ckpt} to {out}")
+    typer.echo(f"Exported the {role} of {ckpt} to {out}" + (" (the LoRA adapter)" if adapter_only else ""))

@@ -40,6 +40,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week; Python's own limit on a wait is about 292 years
 MAX_WORKERS = 1024
 MAX_SEED = 2**32 - 1  # the widest seed every RNG in use takes (numpy, vLLM)
+MAX_LORA_RANK = 2**16  # model.lora_rank, model.lora_alpha: far above any model's width
 
 # ``trainer.output_dir`` may name these; anything else in braces is an error.
 OUTPUT_DIR_PLACEHOLDERS = ("project", "experiment")
@@ -62,6 +63,30 @@ class ModelConfig(_Section):
         "A trained model keeps float32 master weights on a GPU; on a CPU it trains in this dtype.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+    lora_rank: int = Field(0, ge=0, le=MAX_LORA_RANK, description="LoRA through peft (`pip install 'rlx[peft]'`): "
+                           "the rank of the adapters; 0 trains every weight. With LoRA only the adapters train "
+                           "(the base stays frozen in model.dtype) and the reference is the base with the adapter "
+                           "switched off; see docs/lora.md.")
+    lora_alpha: float = Field(16, gt=0, le=MAX_LORA_RANK, description="LoRA scaling: the update is "
+                              "lora_alpha / lora_rank * B @ A.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get adapters: all-linear (every linear layer but the output "
+        "head), or a list of module names or name suffixes (q_proj, v_proj, ...).")
+    exclude_modules: list[str] = Field(default_factory=list,
+                                       description="Module names or name suffixes that get no adapter.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules_named(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and (not v or not all(name.strip() for name in v)):
+            raise ValueError("give all-linear or a non-empty list of module names")
+        return v
+
+    @field_validator("exclude_modules", mode="before")
+    @classmethod
+    def _one_or_many_excluded(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
 
 
 class DataConfig(_Section):
@@ -95,6 +120,10 @@ class OptimConfig(_Section):
 
 class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    model_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The trained weights' dtype: float32 (master weights and AdamW states in float32, "
+        "forward passes autocast to model.dtype on a GPU) or bfloat16 (weights, gradients and AdamW moments in "
+        "bf16, no autocast: half the memory, as TRL and verl's fsdp_config.model_dtype=bf16).")
     ppo_mini_batch_size: int = Field(
         16, gt=0, le=MAX_BATCH, description="Prompts per optimizer step (times rollout.n sequences).")
     micro_batch_size_per_device: int = Field(
@@ -136,6 +165,10 @@ class CriticConfig(_Section):
         None, description="Checkpoint of the value model; defaults to model.path (a fresh value head on it).")
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig,
                                      description="The critic's own optimizer (lr default 1e-5).")
+    model_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The trained weights' dtype: float32 (master weights and AdamW states in float32, "
+        "forward passes autocast to model.dtype on a GPU) or bfloat16 (weights, gradients and AdamW moments in "
+        "bf16, no autocast: half the memory, as TRL and verl's fsdp_config.model_dtype=bf16).")
     micro_batch_size_per_device: int = Field(
         4, gt=0, le=MAX_BATCH, description="Sequences per forward/backward pass; gradients accumulate over them.")
     forward_micro_batch_size_per_device: int = Field(

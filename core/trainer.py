@@ -171,8 +171,10 @@ class Trainer:
         cfg = self.cfg
         backend = self._build("backend", cfg.backend.name, "backend")  # a picklable builder of workers
         self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)))
+        # With LoRA the reference is the actor's base with the adapter switched off: no second model.
+        self.ref_from_actor = self.algorithm.needs_ref and cfg.model.lora_rank > 0
         self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)))
-                    if self.algorithm.needs_ref else None)
+                    if self.algorithm.needs_ref and not self.ref_from_actor else None)
         # The critic (value model) only when the algorithm's advantages need values.
         self.critic = (self.launcher.create_group("critic", partial(backend.worker, self._critic_spec()))
                        if self.algorithm.needs_critic else None)
@@ -246,6 +248,9 @@ class Trainer:
         if self.ref is not None:
             with timer("ref"):
                 batch.tensors["ref_log_probs"] = self.ref.call("compute_log_probs", batch)["log_probs"]
+        elif self.ref_from_actor:
+            with timer("ref"):
+                batch.tensors["ref_log_probs"] = self.actor.call("compute_ref_log_probs", batch)["log_probs"]
         if self.critic is not None:
             with timer("values"):
                 batch.tensors["values"] = self.critic.call("compute_values", batch)["values"]

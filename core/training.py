@@ -156,9 +156,12 @@ def balance_for_ranks(batch: Batch, parts: int) -> Batch:
 
 def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
     """The forward-pass settings of a role (``RoleSpec.extra`` keys) from the config: packing, the
-    chunked head, token budgets. The reference scores like the actor's log-prob passes."""
+    chunked head, token budgets, the trained weights' dtype and LoRA. The reference scores like the actor's
+    log-prob passes (with LoRA on, no reference worker is built: the actor scores with its adapter off)."""
     if config is None:
         return {}
+    from rlx.lora import settings as lora_settings
+
     if role == "critic":
         c = config.critic
         return {"use_remove_padding": c.use_remove_padding, "use_dynamic_bsz": c.use_dynamic_bsz,
@@ -166,7 +169,8 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
                 "ppo_max_token_len_option": "critic.ppo_max_token_len_per_gpu",
                 "log_prob_max_token_len": c.forward_max_token_len_per_gpu,
                 "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu",
-                "ulysses_sequence_parallel_size": c.ulysses_sequence_parallel_size}
+                "ulysses_sequence_parallel_size": c.ulysses_sequence_parallel_size,
+                "model_dtype": c.model_dtype, "lora": lora_settings(config.model)}
     a = config.actor
     return {"use_remove_padding": a.use_remove_padding, "use_dynamic_bsz": a.use_dynamic_bsz,
             "log_prob_chunk_size": a.log_prob_chunk_size,
@@ -174,7 +178,8 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
             "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
             "log_prob_max_token_len": a.log_prob_max_token_len_per_gpu,
             "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
-            "ulysses_sequence_parallel_size": a.ulysses_sequence_parallel_size}
+            "ulysses_sequence_parallel_size": a.ulysses_sequence_parallel_size,
+            "model_dtype": a.model_dtype, "lora": lora_settings(config.model)}
 
 
 def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,

@@ -198,6 +198,8 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
                         "or run `rlx train` with no arguments for the built-in tiny job.")
+    if cfg is not None:
+        problems.extend(training_problems(cfg))
     if check_run_dir and cfg is not None:
         problems.extend(output_dir_problems(cfg))
     if check_files:
@@ -210,6 +212,32 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
         raise ConfigError(list(dict.fromkeys(problems)))  # once each, in the order found
     assert cfg is not None
     return Resolved(cfg, options)
+
+
+# Backends that build the model their own way and do not read model.lora_* / *.model_dtype yet.
+_NO_LORA_OR_BF16_BACKENDS = ("fsdp", "fsdp2")
+
+
+def training_problems(cfg: RLXConfig) -> list[str]:
+    """LoRA and the trained weights' dtype: what the environment and the chosen backend must offer."""
+    from rlx.lora import INSTALL_HINT, peft_missing
+
+    problems = []
+    backend = cfg.backend.name
+    if cfg.model.lora_rank > 0:
+        if peft_missing():
+            problems.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA needs the peft package, which is not "
+                            f"installed. {INSTALL_HINT}")
+        if backend in _NO_LORA_OR_BF16_BACKENDS:
+            problems.append(f"model.lora_rank={cfg.model.lora_rank}: the {backend} backend does not build LoRA "
+                            "adapters yet. Use backend.name=torch, or model.lora_rank=0.")
+    if backend in _NO_LORA_OR_BF16_BACKENDS:
+        for role in ("actor", "critic"):
+            if getattr(cfg, role).model_dtype != "float32":
+                problems.append(f"{role}.model_dtype={getattr(cfg, role).model_dtype}: the {backend} backend keeps "
+                                f"float32 master weights only so far. Use backend.name=torch, or "
+                                f"{role}.model_dtype=float32.")
+    return problems
 
 
 def _core_keys(section: str) -> list[str]:

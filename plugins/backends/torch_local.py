@@ -451,6 +451,9 @@ def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> An
 class TorchWorker:
     """One role's model on one device."""
 
+    # ``RoleSpec.extra["lora"]`` (rlx.lora.settings) when the model carries peft adapters.
+    lora: dict[str, Any] | None = None
+
     def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
                  world_size: int = 1) -> None:
         import torch
@@ -465,22 +468,35 @@ class TorchWorker:
         self.rank, self.dp_size = rank, world_size
         check_attention(options.attn_implementation, self.device, spec)
         torch.manual_seed(spec.seed)
-        # Mixed precision: a trainable role keeps float32 master weights (AdamW on bf16 weights loses
-        # small updates) and runs its forward passes under autocast in model.dtype on a GPU; a frozen
-        # role (the reference) is simply loaded in model.dtype.
-        self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
-        dtype = torch.float32 if spec.trainable else self.compute_dtype
+        self.lora = spec.extra.get("lora") or None
+        # Mixed precision (model_dtype=float32, the default): a trainable role keeps float32 master weights
+        # (AdamW on bf16 weights loses small updates) and runs its forward passes under autocast in
+        # model.dtype on a GPU. model_dtype=bfloat16: weights, gradients and AdamW moments in bf16, no
+        # autocast (half the memory). A frozen role (the reference), and the frozen base under LoRA, is
+        # simply loaded in the compute dtype.
+        master = trained_dtype(spec)
+        self.compute_dtype = master if master == torch.bfloat16 else getattr(
+            torch, resolve_dtype(spec.dtype, self.device))
+        dtype = master if spec.trainable and self.lora is None else self.compute_dtype
         if spec.value_head:
-            self.model = load_value_model(spec, dtype, options.attn_implementation).to(self.device)
+            base = load_value_model(spec, dtype, options.attn_implementation)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(
+            base = AutoModelForCausalLM.from_pretrained(
                 spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
-                attn_implementation=options.attn_implementation,
-            ).to(self.device)
-        self.autocast = spec.trainable and self.device != "cpu" and self.compute_dtype != torch.float32
+                attn_implementation=options.attn_implementation)
+        if self.lora is not None:
+            from rlx import lora
+
+            base = lora.apply(base, self.lora, value_head=spec.value_head, adapter_dtype=master)
+        self.model = base.to(self.device)
+        self.autocast = (spec.trainable and self.device != "cpu" and master == torch.float32
+                         and self.compute_dtype != torch.float32)
+        hf_model = self.model.get_base_model() if self.lora is not None else self.model
         if spec.trainable and spec.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self._set_up_forward(self.model)
+            hf_model.gradient_checkpointing_enable()
+            if self.lora is not None:  # the frozen embeddings' output must carry gradients into the layers
+                hf_model.enable_input_require_grads()
+        self._set_up_forward(hf_model)
         self._set_up_optimizer()
 
     def _set_up_forward(self, hf_model: Any) -> None:
@@ -506,7 +522,9 @@ class TorchWorker:
         self.scheduler: Any = None
         if self.spec.trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, betas=self.spec.betas,
+            # Under LoRA only the adapters require gradients: AdamW holds state for them alone.
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, betas=self.spec.betas,
                                                weight_decay=self.spec.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.spec))
         else:
@@ -627,6 +645,13 @@ class TorchWorker:
         temperature = float(batch.meta.get("temperature", 1.0))
         return self._forward_no_grad(batch, lambda mb: self._log_probs(mb, temperature, with_entropy))
 
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """The reference policy's log-probs under LoRA: this model with its adapter switched off (the
+        untouched base), instead of a second copy of the base in a reference worker."""
+        assert self.lora is not None, f"role {self.spec.role} has no LoRA adapter to switch off"
+        with self.model.disable_adapter():
+            return self.compute_log_probs(batch)
+
     # -- training ---------------------------------------------------------------------------
     def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
         """One optimizer step per mini-batch (``rlx.training.run_update``)."""
@@ -641,6 +666,11 @@ class TorchWorker:
 
     # -- weights and checkpoints ------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is not None:  # base + adapter, merged tensor by tensor under the base's names
+            from rlx.lora import merged_weights
+
+            yield from merged_weights(self.model)
+            return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
@@ -652,7 +682,14 @@ class TorchWorker:
 
         os.makedirs(path, exist_ok=True)
         if self.rank == 0:  # the replicas are identical; each rank keeps its own random state
-            save_model(self.model, os.path.join(path, MODEL_FILE))
+            if self.lora is not None:  # the base is re-loaded from model.path: only the adapters are saved
+                from safetensors.torch import save_file
+
+                from rlx.lora import ADAPTER_FILE, trainable_state
+
+                save_file(trainable_state(self.model), os.path.join(path, ADAPTER_FILE))
+            else:
+                save_model(self.model, os.path.join(path, MODEL_FILE))
             if self.optimizer is not None:
                 torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                            os.path.join(path, OPTIM_FILE))
@@ -665,9 +702,28 @@ class TorchWorker:
 
         from rlx.checkpoint import torch_load
         from rlx.errors import UserError
+        from rlx.lora import ADAPTER_FILE
 
         weights = os.path.join(path, MODEL_FILE)
-        if os.path.exists(weights):
+        adapter = os.path.join(path, ADAPTER_FILE)
+        if (self.lora is not None) != os.path.exists(adapter):
+            written = "with LoRA adapters" if os.path.exists(adapter) else "without LoRA (all weights)"
+            raise UserError(f"{path} was written {written}, but this run has model.lora_rank="
+                            f"{self.lora['rank'] if self.lora else 0}.",
+                            "Resume (or export) with the model.lora_* settings the run was started with.")
+        if self.lora is not None:
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            from rlx.lora import load_trainable
+
+            try:
+                state = load_file(adapter, device=str(self.device))
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise UserError(f"Cannot load {adapter}: {exc}",
+                                "The checkpoint is damaged; resume from another checkpoint.") from None
+            load_trainable(self.model, state, adapter)
+        elif os.path.exists(weights):
             from safetensors import SafetensorError
             from safetensors.torch import load_model
 
@@ -702,11 +758,36 @@ class TorchWorker:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        """A Hugging Face model folder; under LoRA the merged weights (the model itself stays unmerged)."""
+        if self.rank != 0:
+            return
+        if self.lora is not None:
+            self.model.get_base_model().save_pretrained(path, state_dict=dict(self.named_weights()))
+        else:
+            self.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+    def save_adapter(self, path: str, tokenizer: Any = None) -> None:
+        """The LoRA adapter as a peft folder (adapter_config.json, adapter_model.safetensors) that
+        ``PeftModel.from_pretrained(base, path)`` loads onto the base model."""
+        from rlx.errors import UserError
+
+        if self.lora is None:
+            raise UserError(f"The {self.spec.role} has no LoRA adapter (the run trained every weight).",
+                            "Export the merged model instead (without --adapter-only).")
         if self.rank != 0:
             return
         self.model.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+
+
+def trained_dtype(spec: RoleSpec) -> torch.dtype:
+    """The dtype of a trainable role's weights and optimizer states (``model_dtype``)."""
+    import torch
+
+    return torch.bfloat16 if spec.extra.get("model_dtype") == "bfloat16" else torch.float32
 
 
 def with_role_settings(spec: RoleSpec, settings: dict[str, dict[str, Any]]) -> RoleSpec:

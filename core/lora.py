@@ -1,0 +1,170 @@
+"""LoRA through peft: adapters on a frozen base, merged weights for the rollout engine, adapter checkpoints.
+
+The settings travel to the workers as ``RoleSpec.extra["lora"]`` (:func:`settings`, from ``model.lora_*``).
+A worker wraps its Hugging Face model with :func:`apply`; only the adapters (and, on a value model, its
+one-output head) are trainable. The reference policy is the same model with the adapter switched off
+(peft's ``disable_adapter``), so no second copy of the base is loaded. The rollout engine and ``rlx
+export`` get merged weights (base + alpha / rank * B @ A under the base's own names) computed one tensor at a
+time by :func:`merged_weights`; the model itself is never merged in place, so training goes on unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from rlx.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlx.config import ModelConfig
+
+ADAPTER = "default"  # peft's name for the one adapter rlx trains
+ADAPTER_FILE = "adapter.safetensors"  # a checkpoint's trainable tensors (adapters, a value head)
+INSTALL_HINT = "Install peft: pip install 'rlx[peft]' (or pip install peft)."
+# Heads of transformers' *ForTokenClassification models: new on a value model, so trained in full.
+_VALUE_HEADS = ("score", "classifier")
+
+
+def settings(model: ModelConfig) -> dict[str, Any] | None:
+    """The LoRA settings a worker needs (``RoleSpec.extra["lora"]``), or None when LoRA is off."""
+    if model.lora_rank == 0:
+        return None
+    return {"rank": model.lora_rank, "alpha": model.lora_alpha, "target_modules": model.target_modules,
+            "exclude_modules": list(model.exclude_modules), "dropout": model.lora_dropout}
+
+
+def peft_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is None
+
+
+def require_peft() -> None:
+    if peft_missing():
+        raise UserError("model.lora_rank > 0 needs the peft package, which is not installed.", INSTALL_HINT)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    """peft's rule for a list of names: the module's full name, or its name after a dot."""
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def linear_modules(model: Any) -> list[str]:
+    """Full names of the linear layers that can take an adapter (the output head excluded)."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head]
+
+
+def _check_targets(model: Any, lora: dict[str, Any], excluded: list[str]) -> None:
+    """A target list that selects no linear layer is a user error naming some that exist."""
+    linear = linear_modules(model)
+    targets = lora["target_modules"]
+    chosen = [n for n in linear if (targets == "all-linear" or _matches(n, list(targets)))
+              and not _matches(n, excluded)]
+    if chosen:
+        return
+    suffixes = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear))
+    raise UserError(f"model.target_modules={targets} (exclude_modules={lora['exclude_modules']}) selects no "
+                    f"linear layer of {type(model).__name__}; its linear layers are named "
+                    f"{', '.join(suffixes[:8])}{' ...' if len(suffixes) > 8 else ''}.",
+                    "Set model.target_modules=all-linear, or list some of those names.")
+
+
+def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: torch.dtype | None) -> Any:
+    """``model`` wrapped by peft with fresh adapters. The base's weights are frozen; the adapters (and a value
+    model's head) are trainable and held in ``adapter_dtype`` (None: float32, peft's default)."""
+    import torch
+
+    require_peft()
+    from peft import LoraConfig, get_peft_model
+
+    excluded = list(lora["exclude_modules"])
+    head: list[str] = []
+    if value_head:
+        head = [name for name, _ in model.named_children() if name in _VALUE_HEADS]
+        excluded += head  # trained in full (modules_to_save), never given an adapter
+    _check_targets(model, lora, excluded)
+    config = LoraConfig(
+        r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+        target_modules=lora["target_modules"], exclude_modules=excluded or None, modules_to_save=head or None,
+        task_type="TOKEN_CLS" if value_head else "CAUSAL_LM", bias="none")
+    wrapped = get_peft_model(model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
+    dtype = adapter_dtype or torch.float32
+    for name, param in wrapped.named_parameters():
+        if is_adapter(name):
+            param.data = param.data.to(dtype)
+    return wrapped
+
+
+def base_name(key: str) -> str | None:
+    """The plain model's name of a key of the wrapped base model's state dict; None for adapter tensors and
+    the frozen original of a module trained in full."""
+    parts = key.split(".")
+    if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
+        return None
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        if parts[i] == "base_layer":
+            i += 1
+        elif parts[i] == "modules_to_save":
+            i += 2  # modules_to_save.<adapter>
+        else:
+            out.append(parts[i])
+            i += 1
+    return ".".join(out)
+
+
+def merged_weights(wrapped: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's tensors with the adapter merged in (base + scale * B @ A, computed in float32 and
+    returned in the base's dtype), one at a time, named as in the Hugging Face model."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    base = wrapped.get_base_model()
+    deltas = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
+              if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
+    with torch.no_grad():
+        for key, tensor in base.state_dict().items():
+            name = base_name(key)
+            if name is None:
+                continue
+            layer = deltas.get(key)
+            if layer is not None:
+                delta = layer.get_delta_weight(ADAPTER)
+                tensor = (tensor.float() + delta.float()).to(tensor.dtype)
+            yield name, tensor.detach()
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter of the wrapped model is one peft trains (an adapter, a module trained in full),
+    told by its name: a frozen worker (``rlx export``) holds them without gradients."""
+    parts = name.split(".")
+    return "modules_to_save" in parts or any(p.startswith("lora_") for p in parts)
+
+
+def trainable_state(wrapped: Any) -> dict[str, torch.Tensor]:
+    """The trainable tensors (adapters, a value model's head) by parameter name: what a checkpoint holds."""
+    return {name: p.detach().contiguous() for name, p in wrapped.named_parameters() if is_adapter(name)}
+
+
+def load_trainable(wrapped: Any, state: dict[str, torch.Tensor], where: str) -> None:
+    """Copy a checkpoint's trainable tensors into the model; their names and shapes must match exactly."""
+    import torch
+
+    params = {name: p for name, p in wrapped.named_parameters() if is_adapter(name)}
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    wrong = sorted(n for n in set(params) & set(state) if params[n].shape != state[n].shape)
+    if missing or unexpected or wrong:
+        raise UserError(f"{where} does not match this run's LoRA adapters: missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]}, other shapes {wrong[:3]}.",
+                        "Resume with the model and the model.lora_rank / target_modules / exclude_modules the run "
+                        "was started with.")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name])

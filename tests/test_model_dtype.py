@@ -1,0 +1,89 @@
+"""``actor.model_dtype`` / ``critic.model_dtype``: float32 master weights (the default) or pure bf16 training
+weights, gradients and AdamW moments (half the trained role's memory, as TRL and verl's
+``fsdp_config.model_dtype=bf16``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backend_torch import critic_batch, grpo_loss, make_batch
+
+from rlx.config import validate
+from rlx.errors import ConfigError
+from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+from rlx.protocols import RoleSpec
+from rlx.training import role_settings
+
+
+@pytest.fixture
+def model_path(tiny_model_path, one_thread):
+    return tiny_model_path
+
+
+def make(path: str, model_dtype: str | None, critic: bool = False) -> TorchWorker:
+    extra = {"use_remove_padding": False} | ({"model_dtype": model_dtype} if model_dtype else {})
+    spec = RoleSpec(role="critic" if critic else "actor", model_path=path, trainable=True, value_head=critic,
+                    lr=1e-2, micro_batch_size=8, extra=extra)
+    return TorchWorker(spec, TorchBackendOptions(), "cpu")
+
+
+def dtypes(worker: TorchWorker) -> set[torch.dtype]:
+    return {p.dtype for p in worker.model.parameters()}
+
+
+def moment_dtypes(worker: TorchWorker) -> set[torch.dtype]:
+    assert worker.optimizer is not None
+    return {s[k].dtype for s in worker.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_bf16_role_trains_in_bf16(model_path, critic):
+    worker = make(model_path, "bfloat16", critic)
+    assert dtypes(worker) == {torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    if critic:
+        from rlx.plugins.algorithms.base import CriticLoss
+
+        metrics = worker.train_step(critic_batch(), CriticLoss(0.5))
+    else:
+        metrics = worker.train_step(make_batch(), grpo_loss())
+    assert metrics["skipped_step"] == 0.0
+    assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in worker.model.parameters())
+    assert moment_dtypes(worker) == {torch.bfloat16}
+    changed = [n for n, p in worker.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(changed) > len(before) // 2, changed
+    # log-probs come out in float32 whatever the weights
+    if not critic:
+        assert worker.compute_log_probs(make_batch())["log_probs"].dtype == torch.float32
+
+
+def test_float32_master_weights_stay_the_default(model_path):
+    for worker in (make(model_path, None), make(model_path, "float32")):
+        worker.train_step(make_batch(), grpo_loss())
+        assert dtypes(worker) == {torch.float32}
+        assert moment_dtypes(worker) == {torch.float32}
+    config = validate({})
+    assert config.actor.model_dtype == config.critic.model_dtype == "float32"
+    assert role_settings(config, "actor")["model_dtype"] == "float32"
+
+
+def test_config_reaches_the_roles():
+    config = validate({"actor": {"model_dtype": "bfloat16"}, "critic": {"model_dtype": "bfloat16"}})
+    assert role_settings(config, "actor")["model_dtype"] == "bfloat16"
+    assert role_settings(config, "critic")["model_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["fp16", "bf16", "float16"])
+def test_bad_value_is_a_config_error(value):
+    with pytest.raises(ConfigError) as exc:
+        validate({"actor": {"model_dtype": value}})
+    assert "actor.model_dtype: must be one of 'float32' or 'bfloat16'" in str(exc.value)
+
+
+def test_fsdp_backends_refuse_bf16_weights_until_they_build_them():
+    from rlx.cli.main import _pm
+    from rlx.validate import load_config
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(_pm(), preset="tiny", overrides=["backend.name=fsdp2", "critic.model_dtype=bfloat16"])
+    assert "critic.model_dtype=bfloat16: the fsdp2 backend keeps float32 master weights only" in str(exc.value)
