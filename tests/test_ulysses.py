@@ -112,6 +112,42 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
         dist.destroy_process_group()
 
 
+def _grid_rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
+    """4 processes: 2 data-parallel ranks, each a sequence-parallel group of 2 consecutive ranks."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        actor = fsdp_worker(actor_spec(path, **SP))
+        info = actor.dispatch_info()
+        res: dict[str, Any] = {"dispatch": (info.dp_rank, info.dp_size, info.collect)}
+        res["log_probs"] = dict(actor.compute_log_probs(shard(batch, info.dp_size)[info.dp_rank],
+                                                        with_entropy=True).tensors)
+        res["actor_metrics"] = actor.update(shard(minibatches(batch), info.dp_size)[info.dp_rank],
+                                            grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+        res["actor_weights"] = state(actor.named_weights())
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Any, world: int, path: str, batch: Batch, out: Path) -> list[Any]:
+    import torch.multiprocessing as mp
+
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(fn, args=(world, free_port(), path, batch, str(out)), nprocs=world, join=True,
+                           start_method="spawn")
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_path: str) -> dict[str, Any]:
     """The single-process torch backend on the same data."""
@@ -137,20 +173,7 @@ def reference(tiny_model_path: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def sp_ranks(reference: dict[str, Any], tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ulysses")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(_rank_main, args=(2, free_port(), tiny_model_path, reference["batch"], str(out)),
-                           nprocs=2, join=True, start_method="spawn")
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return spawn(_rank_main, 2, tiny_model_path, reference["batch"], tmp_path_factory.mktemp("ulysses"))
 
 
 def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -196,3 +219,19 @@ def test_updates_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any
             assert_weights(res[f"{name}_weights"], want["actor_weights"], f"{name}, rank {r}")
         assert_metrics(res["critic_metrics"], want["critic_metrics"], f"critic, rank {r}")
         assert_weights(res["critic_weights"], want["critic_weights"], f"critic, rank {r}")
+
+
+def test_two_data_parallel_groups_of_two_equal_one_process(reference: dict[str, Any], tiny_model_path: str,
+                                                            tmp_path: Path) -> None:
+    """4 processes, sp=2: ranks 0-1 and 2-3 are the two data-parallel ranks (each gets half of every
+    mini-batch; token counts summed over the data-parallel group only, gradients over all 4 shards)."""
+    ranks = spawn(_grid_rank_main, 4, tiny_model_path, reference["batch"], tmp_path)
+    assert [r["dispatch"] for r in ranks] == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+    masks = shard(reference["batch"].select("response_mask"), 2)
+    log_probs = shard(Batch(reference["log_probs"]), 2)
+    for r, res in enumerate(ranks):
+        mask = masks[r // 2]["response_mask"].bool()
+        torch.testing.assert_close(res["log_probs"]["log_probs"][mask], log_probs[r // 2]["log_probs"][mask],
+                                   atol=1e-5, rtol=0)
+        assert_metrics(res["actor_metrics"], reference["actor_metrics"], f"actor, rank {r} of 4")
+        assert_weights(res["actor_weights"], reference["actor_weights"], f"actor, rank {r} of 4")
