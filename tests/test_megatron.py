@@ -1,0 +1,391 @@
+"""The ``megatron`` backend: what megatron-core can run on the CPU here, and the backend contract on GPUs.
+
+CPU (gloo): the parallel-layout and architecture checks; a megatron-core GPT model built from a Hugging Face
+Qwen2 (tied embeddings, GQA with one key/value head) and Llama (untied, GQA 4:2) folder, HF -> Megatron ->
+HF bit-exact, on one rank and split over 2 ranks by tensor or by pipeline parallelism; the critic's value
+head; and the vocabulary-parallel log-probs, entropies and their gradients against the full-vocabulary
+computation on 2 ranks. megatron-core's forward passes allocate on CUDA (``device="cuda"`` literals), so
+everything that runs the model is marked ``gpu``: the same log-probs, values, losses and weights as the
+``torch`` backend (float32, stated tolerances), and a checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+from rlx.errors import UserError
+from rlx.plugins.backends.megatron import (
+    MegatronOptions,
+    check_layout,
+    config_overrides,
+    layout_problems,
+    require_megatron,
+    vocab_parallel_log_probs,
+)
+from rlx.plugins.backends.megatron_convert import (
+    build_chunks,
+    check_architecture,
+    export_hf,
+    load_hf,
+    make_bridge,
+    read_hf_config,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny untied Llama with 4 query and 2 key/value heads (so TP=2 splits the groups), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def convert(path: str, options: MegatronOptions, value_head: bool = False, seed: int = 0
+            ) -> dict[str, torch.Tensor]:
+    """HF folder -> this rank's megatron-core chunks -> full HF tensors (megatron's groups already set up)."""
+    config = read_hf_config(path)
+    bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
+    chunks = build_chunks(bridge, config, value_head=value_head, use_te=False,
+                          vpp=options.virtual_pipeline_model_parallel_size, device="cpu")
+    load_hf(chunks, bridge, config, path, value_head=value_head, seed=seed)
+    return {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=value_head, comm_device="cpu")}
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mpu.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# -- weights: HF -> Megatron -> HF ------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["qwen2", "llama"])
+def test_round_trip_is_bit_exact_on_one_rank(which: str, tiny_model_path: str, llama_path: str, one_rank: None
+                                             ) -> None:
+    path = tiny_model_path if which == "qwen2" else llama_path
+    original = hf_tensors(path)
+    out = convert(path, MegatronOptions())
+    expected = {n for n in original if not (read_hf_config(path).tie_word_embeddings and n == "lm_head.weight")}
+    assert set(out) == expected
+    for name in expected:
+        assert out[name].dtype == original[name].dtype
+        assert torch.equal(out[name], original[name]), name
+
+
+def test_the_megatron_model_holds_the_fused_layout(llama_path: str, one_rank: None) -> None:
+    """The fused QKV groups each key/value head's queries with its key and value (GQA), and fc1 is
+    [gate; up]: the converted tensors sit where megatron-core's attention and SwiGLU read them."""
+    config = read_hf_config(llama_path)
+    bridge = make_bridge(config, torch.float32, config_overrides(MegatronOptions(), torch.float32, on_cpu=True))
+    chunk = build_chunks(bridge, config, value_head=False, use_te=False, vpp=None, device="cpu")[0]
+    load_hf([chunk], bridge, config, llama_path, value_head=False, seed=0)
+    hf = hf_tensors(llama_path)
+    layer = chunk.decoder.layers[1]
+    qkv = layer.self_attention.linear_qkv.weight.view(2, 4, 16, 64)  # kv groups, (2 q + k + v) heads, dim, hidden
+    q = hf["model.layers.1.self_attn.q_proj.weight"].view(4, 16, 64)
+    assert torch.equal(qkv[1, :2], q[2:4])  # group 1 holds query heads 2 and 3
+    assert torch.equal(qkv[1, 2], hf["model.layers.1.self_attn.k_proj.weight"].view(2, 16, 64)[1])
+    assert torch.equal(qkv[0, 3], hf["model.layers.1.self_attn.v_proj.weight"].view(2, 16, 64)[0])
+    fc1 = layer.mlp.linear_fc1.weight
+    assert torch.equal(fc1[:96], hf["model.layers.1.mlp.gate_proj.weight"])
+    assert torch.equal(fc1[96:], hf["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(layer.pre_mlp_layernorm.weight, hf["model.layers.1.post_attention_layernorm.weight"])
+    assert torch.equal(chunk.output_layer.weight, hf["lm_head.weight"])
+
+
+def test_critic_gets_a_seeded_value_head_and_keeps_a_saved_one(tiny_model_path: str, one_rank: None,
+                                                              tmp_path: Path) -> None:
+    from transformers import AutoModelForTokenClassification
+
+    out = convert(tiny_model_path, MegatronOptions(), value_head=True, seed=3)
+    again = convert(tiny_model_path, MegatronOptions(), value_head=True, seed=3)
+    other = convert(tiny_model_path, MegatronOptions(), value_head=True, seed=4)
+    original = hf_tensors(tiny_model_path)
+    assert out["score.weight"].shape == (1, 64) and torch.equal(out["score.bias"], torch.zeros(1))
+    assert torch.equal(out["score.weight"], again["score.weight"])
+    assert not torch.equal(out["score.weight"], other["score.weight"])
+    assert "lm_head.weight" not in out and "model.embed_tokens.weight" in out
+    for name in original:
+        assert torch.equal(out[name], original[name]), name
+    # a critic folder (as rlx export writes one) round-trips with its head
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1)
+    with torch.no_grad():
+        critic.score.bias.fill_(0.25)
+    critic.save_pretrained(tmp_path)
+    saved = hf_tensors(str(tmp_path))
+    back = convert(str(tmp_path), MegatronOptions(), value_head=True)
+    assert set(back) == set(saved)
+    for name in saved:
+        assert torch.equal(back[name], saved[name]), name
+
+
+# -- 2 ranks over gloo ------------------------------------------------------------------------------------
+def _rank_main(rank: int, world: int, port: int, tiny: str, llama: str, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res: dict[str, Any] = {}
+    try:
+        # (A tied model split into pipeline stages syncs its output layer with .cuda(): GPU only.)
+        for name, tp, pp, path in (("tp", 2, 1, llama), ("pp", 1, 2, llama)):
+            mpu.initialize_model_parallel(tp, pp)
+            options = MegatronOptions(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            res[name] = convert(path, options)
+            mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(2, 1)
+        res["vocab"] = _vocab_parallel_case(rank)
+        mpu.destroy_model_parallel()
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _vocab_case_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 5, 10, generator=g) * 3
+    targets = torch.randint(0, 10, (3, 5), generator=g)
+    w_lp, w_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    return logits, targets, w_lp, w_ent
+
+
+def _vocab_parallel_case(rank: int) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state as mpu
+
+    logits, targets, w_lp, w_ent = _vocab_case_inputs()
+    mine = logits[..., rank * 5:(rank + 1) * 5].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_log_probs(mine, targets, mpu.get_tensor_model_parallel_group(), rank * 5, True)
+    assert ent is not None
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert mine.grad is not None
+    return {"log_probs": lp.detach(), "entropy": ent.detach(), "grad": mine.grad}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_path: str, llama_path: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("megatron2")
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_rank_main, args=(2, free_port(), tiny_model_path, llama_path, str(out)), nprocs=2,
+                           join=True, start_method="spawn")
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", ["tp", "pp"])
+def test_round_trip_is_bit_exact_split_over_two_ranks(case: str, two_ranks: list[dict], llama_path: str) -> None:
+    """TP=2 cuts the fused QKV by key/value group and fc1 by [gate; up] halves, the vocabulary and the
+    row-parallel projections; PP=2 puts one layer on each rank. Gathered back, every rank has every tensor
+    bit for bit."""
+    original = hf_tensors(llama_path)
+    expected = set(original)
+    for rank in two_ranks:
+        out = rank[case]
+        assert set(out) == expected
+        for name in expected:
+            assert torch.equal(out[name], original[name]), (case, name)
+
+
+def test_vocab_parallel_log_probs_entropy_and_gradients(two_ranks: list[dict]) -> None:
+    """Two ranks each holding half of the vocabulary give the full softmax's log-probs and entropies, and
+    the gradient of a loss of both with respect to each rank's half of the logits (float32, 1e-6)."""
+    logits, targets, w_lp, w_ent = _vocab_case_inputs()
+    full = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(full, -1)
+    lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert full.grad is not None
+    for rank, res in enumerate(r["vocab"] for r in two_ranks):
+        torch.testing.assert_close(res["log_probs"], lp.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["entropy"], ent.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["grad"], full.grad[..., rank * 5:(rank + 1) * 5], atol=1e-6, rtol=1e-6)
+
+
+# -- checks before anything starts -----------------------------------------------------------------------
+def test_layout_problems_name_every_misfit(llama_path: str) -> None:
+    config = read_hf_config(llama_path)  # 4 heads, 2 key/value heads, 2 layers, vocabulary 96
+    assert layout_problems(MegatronOptions(tensor_model_parallel_size=2), 4, config) == []
+    problems = layout_problems(MegatronOptions(tensor_model_parallel_size=4, pipeline_model_parallel_size=3,
+                                               sequence_parallel=False), 8, config)
+    text = " | ".join(problems)
+    assert "12 does not divide the 8 training processes" in text
+    assert "does not divide the model's 2 key/value heads" in text
+    assert "= 3 does not divide the model's 2 layers" in text
+    assert "attention heads" not in text  # 4 heads split by 4 is fine
+    assert "virtual_pipeline_model_parallel_size x" not in text
+    vpp = layout_problems(MegatronOptions(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                          2, config)
+    assert vpp == ["pipeline_model_parallel_size=2 x virtual_pipeline_model_parallel_size=2 = 4 does not divide "
+                   "the model's 2 layers"]
+    assert layout_problems(MegatronOptions(virtual_pipeline_model_parallel_size=2), 1) == [
+        "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1"]
+    assert layout_problems(MegatronOptions(sequence_parallel=True), 1) == [
+        "sequence_parallel needs tensor_model_parallel_size > 1"]
+    assert layout_problems(MegatronOptions(tensor_model_parallel_size=5), 5, config)[0].endswith(
+        "does not divide the model's 4 attention heads")
+    assert "vocabulary of 96" in layout_problems(MegatronOptions(tensor_model_parallel_size=5), 5, config)[-1]
+    assert layout_problems(MegatronOptions(recompute_granularity="full"), 1) == [
+        "recompute_granularity=full needs recompute_method and recompute_num_layers"]
+    assert layout_problems(MegatronOptions(recompute_method="uniform"), 1) == [
+        "recompute_method and recompute_num_layers apply to recompute_granularity=full only"]
+    assert layout_problems(MegatronOptions(context_parallel_size=2), 2) == [
+        "context_parallel_size > 1 is not supported by the megatron backend yet"]
+    with pytest.raises(UserError, match=r"parallel layout does not fit.*8 training processes"):
+        check_layout(MegatronOptions(tensor_model_parallel_size=3), 8)
+
+
+def test_unsupported_architectures_are_user_errors(tmp_path: Path) -> None:
+    from transformers import GPT2Config, Qwen2Config
+
+    with pytest.raises(UserError, match="does not support the model type 'gpt2'"):
+        check_architecture(GPT2Config(), "gpt")
+    with pytest.raises(UserError, match="sliding-window"):
+        check_architecture(Qwen2Config(use_sliding_window=True, max_window_layers=0), "q")
+    scaled = Qwen2Config(rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                       "original_max_position_embeddings": 4096})
+    with pytest.raises(UserError, match="rope type 'yarn'"):
+        check_architecture(scaled, "q")
+    with pytest.raises(UserError, match="Cannot read the model config"):
+        read_hf_config(str(tmp_path))
+
+
+def test_missing_megatron_core_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    require_megatron()
+    monkeypatch.setitem(sys.modules, "mbridge", None)
+    with pytest.raises(UserError, match="needs mbridge") as info:
+        require_megatron()
+    assert "rlx[megatron]" in str(info.value.hint if hasattr(info.value, "hint") else info.value)
+
+
+def test_build_checks_layout_model_and_device(tiny_model_path: str) -> None:
+    from rlx.config import RLXConfig
+    from rlx.plugins.backends.megatron import build
+
+    def ctx(nproc: int, device: str = "cuda") -> Any:
+        config = RLXConfig.model_validate({"model": {"path": tiny_model_path}, "trainer": {"device": device},
+                                           "launcher": {"name": "local", "nproc": nproc}})
+        return SimpleNamespace(config=config)
+
+    with pytest.raises(UserError, match=r"model's 1 key/value heads"):
+        build(MegatronOptions(tensor_model_parallel_size=2), ctx(2))
+    with pytest.raises(UserError, match="does not divide the 3 training processes"):
+        build(MegatronOptions(pipeline_model_parallel_size=2), ctx(3))
+    with pytest.raises(UserError, match="needs NVIDIA GPUs"):
+        build(MegatronOptions(), ctx(1, "cpu"))
+    backend = build(MegatronOptions(pipeline_model_parallel_size=2), ctx(2))
+    assert backend.options.pipeline_model_parallel_size == 2
+
+
+# -- GPU: the backend contract against the torch backend ---------------------------------------------------
+def _specs(path: str) -> tuple[Any, Any, Any]:
+    from rlx.protocols import RoleSpec
+
+    schedule = {"warmup_steps": 2, "total_steps": 8, "lr_schedule": "cosine", "dtype": "float32",
+                "weight_decay": 0.0}
+    actor = RoleSpec(role="actor", model_path=path, trainable=True, lr=3e-4, micro_batch_size=2, **schedule)
+    critic = RoleSpec(role="critic", model_path=path, trainable=True, value_head=True, lr=1e-3, micro_batch_size=2,
+                      **schedule)
+    ref = RoleSpec(role="ref", model_path=path, trainable=False, micro_batch_size=3, dtype="float32")
+    return actor, critic, ref
+
+
+@pytest.mark.gpu
+def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_path: Path) -> None:
+    """float32 on one GPU (TF32 off): log-probs, entropies and values to 1e-4, the update's losses and gradient
+    norms to 1e-4 relative, weights to 1e-5; the critic's head is seeded differently, so its values are
+    compared after copying the torch critic's head in. A checkpoint written after the update and loaded into a
+    fresh worker repeats the next update exactly."""
+    from test_backend_torch import critic_batch, grpo_loss, make_batch
+
+    from rlx.plugins.algorithms.base import CriticLoss
+    from rlx.plugins.backends.megatron import MegatronWorker
+    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    actor_spec, critic_spec, ref_spec = _specs(tiny_model_path)
+    batch = critic_batch()
+    extra = make_batch(seed=5)
+    loss = grpo_loss(loss_agg_mode="seq-mean-token-sum")
+    t_ref = TorchWorker(ref_spec, TorchBackendOptions(), "cuda")
+    batch.tensors["old_log_probs"] = t_ref.compute_log_probs(batch)["log_probs"]
+    m_ref = MegatronWorker(ref_spec, MegatronOptions(), "cuda")
+    want, got = t_ref.compute_log_probs(batch, with_entropy=True), m_ref.compute_log_probs(batch, with_entropy=True)
+    mask = batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[key][mask], want[key][mask], atol=1e-4, rtol=1e-4)
+
+    t_actor, m_actor = TorchWorker(actor_spec, TorchBackendOptions(), "cuda"), MegatronWorker(actor_spec,
+                                                                                            MegatronOptions(), "cuda")
+    minis = batch.split(4) + batch.split(4)
+    t_metrics, m_metrics = t_actor.update(minis, loss), m_actor.update(minis, loss)
+    for a, b in zip(t_metrics, m_metrics):
+        for key in ("pg_loss", "grad_norm", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    t_weights = dict(t_actor.named_weights())
+    for name, tensor in m_actor.named_weights():
+        torch.testing.assert_close(tensor.cpu(), t_weights[name].cpu(), atol=1e-5, rtol=0)
+
+    m_actor.save_checkpoint(str(tmp_path / "ckpt"))
+    after = m_actor.update([extra], loss)
+    resumed = MegatronWorker(actor_spec, MegatronOptions(), "cuda")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.update([extra], loss) == after
+
+    t_critic = TorchWorker(critic_spec, TorchBackendOptions(), "cuda")
+    m_critic = MegatronWorker(critic_spec, MegatronOptions(), "cuda")
+    head = m_critic.chunks[0].output_layer
+    with torch.no_grad():
+        head.weight.copy_(t_critic.model.score.weight)
+        if t_critic.model.score.bias is not None:
+            head.bias.copy_(t_critic.model.score.bias)
+    v_want, v_got = t_critic.compute_values(batch)["values"], m_critic.compute_values(batch)["values"]
+    torch.testing.assert_close(v_got[mask], v_want[mask], atol=1e-4, rtol=1e-4)
+    c_want, c_got = t_critic.update(minis, CriticLoss(0.2)), m_critic.update(minis, CriticLoss(0.2))
+    for a, b in zip(c_want, c_got):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
