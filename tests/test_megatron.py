@@ -365,7 +365,7 @@ def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_
     minis = batch.split(4) + batch.split(4)
     t_metrics, m_metrics = t_actor.update(minis, loss), m_actor.update(minis, loss)
     for a, b in zip(t_metrics, m_metrics):
-        for key in ("pg_loss", "grad_norm", "lr"):
+        for key in ("actor/pg_loss", "grad_norm", "lr"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     t_weights = dict(t_actor.named_weights())
     for name, tensor in m_actor.named_weights():

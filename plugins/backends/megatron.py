@@ -304,9 +304,10 @@ class MegatronWorker:
         self.spec, self.options = spec, options
         self.hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
         check_architecture(self.hf_config, spec.model_path)
-        init_parallel(options, "cuda", spec.seed)
-        check_layout(options, None, self.hf_config)
+        # The rank's GPU is current before megatron-core creates its NCCL groups and CUDA random states.
         self.device = rank_device(device)
+        init_parallel(options, self.device, spec.seed)
+        check_layout(options, None, self.hf_config)
         self.comm_device = "cuda"
         torch.manual_seed(spec.seed)
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
@@ -314,8 +315,11 @@ class MegatronWorker:
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
-        self.bridge = make_bridge(self.hf_config, self.compute_dtype,
-                                  config_overrides(options, self.compute_dtype, on_cpu=False))
+        overrides = config_overrides(options, self.compute_dtype, on_cpu=False)
+        if spec.trainable and spec.gradient_checkpointing and options.recompute_granularity is None:
+            # model.gradient_checkpointing=true: recompute every layer, as the other backends do
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.bridge = make_bridge(self.hf_config, self.compute_dtype, overrides)
         self.chunks = build_chunks(self.bridge, self.hf_config, value_head=spec.value_head,
                                    use_te=has_transformer_engine(), vpp=options.virtual_pipeline_model_parallel_size,
                                    device=self.device)
@@ -413,7 +417,10 @@ class MegatronWorker:
 
         with contextlib.nullcontext() if grad else torch.no_grad():
             output, where = self._run_chunk(self.model[0], micro)
-            return self._outputs(output, where, micro, with_entropy=True)
+            out = self._outputs(output, where, micro, with_entropy=True)
+        if not entropy_grad:
+            out["entropy"] = out["entropy"].detach()
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -522,6 +529,12 @@ class MegatronWorker:
         if not micros:
             return []
         chunks = len(self.model)
+        if chunks > 1 and len(micros) % self.pp_size:
+            raise UserError(f"The interleaved pipeline schedule needs a multiple of pipeline_model_parallel_size="
+                            f"{self.pp_size} micro-batches per call; this one has {len(micros)}.",
+                            "Choose the micro-batch sizes (actor.micro_batch_size_per_device, "
+                            "log_prob_micro_batch_size_per_device) so that each rank's rows make a multiple of "
+                            "the pipeline stages, or leave virtual_pipeline_model_parallel_size unset.")
 
         def step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
@@ -529,6 +542,8 @@ class MegatronWorker:
 
             def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 outputs = self._outputs(out, where, micro, with_entropy)
+                if not entropy_grad and "entropy" in outputs:
+                    outputs["entropy"] = outputs["entropy"].detach()
                 if loss_fn is None:
                     return (out.sum() * 0.0, torch.ones((), dtype=torch.int, device=out.device),
                             {k: v.detach().cpu() for k, v in outputs.items()})
@@ -693,9 +708,9 @@ def _training_processes(ctx: BuildContext) -> int | None:
     """The training pool's size when the launcher says it (``--nproc``; torchrun's WORLD_SIZE)."""
     if ctx.config is None:
         return None
-    nproc = ctx.config.launcher.options().get("nproc")
-    if os.environ.get("WORLD_SIZE"):
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE"):  # under torchrun: one pool
         return int(os.environ["WORLD_SIZE"])
+    nproc = ctx.config.launcher.options().get("nproc")
     return int(nproc) if nproc is not None else 1
 
 
