@@ -187,7 +187,8 @@ def tp_agreement(args: argparse.Namespace) -> None:
     print("| --- | --- | --- | --- | --- |")
     worst = 0.0
     for i, (a, b) in enumerate(zip(one, two)):
-        print(f"| {i} | {a['actor/pg_loss']:.7g} | {b['actor/pg_loss']:.7g} | {a['grad_norm']:.7g} | {b['grad_norm']:.7g} |")
+        loss = "actor/pg_loss"
+        print(f"| {i} | {a[loss]:.7g} | {b[loss]:.7g} | {a['grad_norm']:.7g} | {b['grad_norm']:.7g} |")
         for key in ("actor/pg_loss", "grad_norm"):
             worst = max(worst, abs(a[key] - b[key]) / max(abs(a[key]), 1e-12))
     if worst > 1e-4:
