@@ -319,6 +319,11 @@ def test_build_checks_layout_model_and_device(tiny_model_path: str) -> None:
         build(MegatronOptions(), ctx(1, "cpu"))
     backend = build(MegatronOptions(pipeline_model_parallel_size=2), ctx(2))
     assert backend.options.pipeline_model_parallel_size == 2
+    lora = ctx(1)
+    lora.config.model.lora_rank = 8
+    lora.config.actor.ulysses_sequence_parallel_size = 2
+    with pytest.raises(UserError, match=r"LoRA .*; actor.ulysses_sequence_parallel_size > 1"):
+        build(MegatronOptions(), lora)
 
 
 # -- GPU: the backend contract against the torch backend ---------------------------------------------------
@@ -389,3 +394,24 @@ def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_
     c_want, c_got = t_critic.update(minis, CriticLoss(0.2)), m_critic.update(minis, CriticLoss(0.2))
     for a, b in zip(c_want, c_got):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_rows_are_right_aligned_and_positions_point_at_the_token_before_each_response_token() -> None:
+    """Each row's valid prompt and response tokens come first (a causal mask then never lets a token see
+    padding, and positions start at 0), the length is a multiple of the TP size under sequence
+    parallelism, and where[i, j] is the position whose output predicts response token j."""
+    from test_backend_torch import make_batch
+
+    from rlx.plugins.backends.megatron import right_aligned
+
+    batch = make_batch(seed=3)
+    ids, where = right_aligned(batch, 4)
+    valid_p, valid_r = batch["prompt_mask"].bool(), batch["response_mask"].bool()
+    longest = int((valid_p.sum(1) + valid_r.sum(1)).max())
+    assert ids.shape == (len(batch), -(-longest // 4) * 4)
+    for i in range(len(batch)):
+        tokens = torch.cat([batch["prompts"][i][valid_p[i]], batch["responses"][i][valid_r[i]]])
+        assert torch.equal(ids[i, :len(tokens)], tokens)
+        assert not ids[i, len(tokens):].any()
+        for j in range(int(valid_r[i].sum())):
+            assert ids[i, where[i, j] + 1] == batch["responses"][i, j]

@@ -128,6 +128,22 @@ def layout_problems(options: MegatronOptions, world_size: int | None, hf_config:
     return out
 
 
+def settings_problems(settings: dict[str, dict[str, Any]]) -> list[str]:
+    """Role settings (``rlx.training.role_settings``) this backend does not implement."""
+    out = []
+    for role, extra in settings.items():
+        section = "critic" if role == "critic" else "actor"
+        if extra.get("lora"):
+            out.append("LoRA (model.lora_rank > 0) is not supported by the megatron backend")
+        if int(extra.get("ulysses_sequence_parallel_size") or 1) > 1:
+            out.append(f"{section}.ulysses_sequence_parallel_size > 1 belongs to the fsdp backends (use "
+                       "backend.sequence_parallel with tensor parallelism)")
+        if extra.get("model_dtype") == "bfloat16":
+            out.append(f"{section}.model_dtype=bfloat16 is not supported (the megatron backend keeps fp32 "
+                       "master weights)")
+    return sorted(set(out))
+
+
 def check_layout(options: MegatronOptions, world_size: int | None, hf_config: Any = None) -> None:
     problems = layout_problems(options, world_size, hf_config)
     if problems:
@@ -637,10 +653,8 @@ class MegatronWorker:
         model = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
         if self.optimizer is None:
             return model
-        merged: dict[str, Any] = {}
-        for part in model.values():
-            merged.update(part)
-        return {**model, "optimizer": self.optimizer.sharded_state_dict(merged, is_loading=loading)}
+        # Nested per chunk: virtual stages hold the same local names.
+        return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
     def save_checkpoint(self, path: str) -> None:
         """All ranks write their shards with ``dist_checkpointing`` (``path/dist``, resharded on load for another
@@ -735,7 +749,12 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
         hf_config = read_hf_config(path, ctx.config.model.trust_remote_code)
         check_architecture(hf_config, path)
     check_layout(options, _training_processes(ctx), hf_config)
-    return MegatronBackend(options, device, settings_of(ctx))
+    settings = settings_of(ctx)
+    problems = settings_problems(settings)
+    if problems:
+        raise UserError("The megatron backend cannot run this config: " + "; ".join(problems) + ".",
+                        "Turn these settings off, or use --backend fsdp2.")
+    return MegatronBackend(options, device, settings)
 
 
 @hookimpl
