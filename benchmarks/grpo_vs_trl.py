@@ -228,6 +228,20 @@ class StepProfiler:
             print("\n".join(table.splitlines()[:24]), flush=True)
 
 
+class HeldMemory:
+    """A plugin that records the GPU memory still allocated at the end of each step (weights, optimizer
+    states, the engine and its cache: what the next step starts from)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @hookimpl
+    def rlx_on_step_end(self, step: int, metrics: Any) -> None:
+        import torch
+
+        RESULTS[f"{self.name}/memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
+
+
 def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str],
               name: str = "rlx", profile_path: Path | None = None) -> None:
     from rlx.registry import get_plugin_manager
@@ -251,6 +265,7 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     ]
     print(f"{name} overrides: " + " ".join(overrides), flush=True)
     pm = get_plugin_manager()
+    pm.register(HeldMemory(name), name=f"benchmark-held-memory-{name}")
     if profile_path is not None:
         pm.register(StepProfiler(steps, profile_path), name="benchmark-step-profiler")
     fresh_peak()
@@ -258,6 +273,7 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
     record(f"{name}/wall_s", time.perf_counter() - start)
     record(f"{name}/peak_gib", peak_gib())
+    record(f"{name}/memory_between_steps_gib", RESULTS.get(f"{name}/memory_between_steps_gib", float("nan")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         print(f"  {name} step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
@@ -324,7 +340,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up).")
     ap.add_argument("--parts", default="trl,rlx,rlx_gc,gen",
                     help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
-                    "as TRL's default), gen.")
+                    "as TRL's default), rlx_bf16 (checkpointing and bf16 weights and AdamW states, as TRL), gen.")
     ap.add_argument("--profile", action="store_true",
                     help="Profile rlx's last step and one generate call (top kernels).")
     ap.add_argument("--gen-variants", default="off,default,dynamic",
@@ -349,6 +365,9 @@ def main() -> None:
                                          profile_path=args.out / "step_profile.txt" if args.profile else None),
                 "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
                                             ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc"),
+                "rlx_bf16": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                                              ["model.gradient_checkpointing=true", "actor.model_dtype=bfloat16",
+                                               *args.overrides], "rlx_bf16"),
                 "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
@@ -359,7 +378,7 @@ def main() -> None:
             record(f"{name}/error", traceback.format_exc(limit=3).splitlines()[-1])
         fresh_peak()
         (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
-    for name in ("rlx", "rlx_gc"):
+    for name in ("rlx", "rlx_gc", "rlx_bf16"):
         if f"{name}/timing/step" in RESULTS and "trl/timing/step" in RESULTS:
             record(f"trl_over_{name}_step_time", RESULTS["trl/timing/step"] / RESULTS[f"{name}/timing/step"])
     (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
