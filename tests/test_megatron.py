@@ -4,13 +4,21 @@ CPU (gloo): the parallel-layout and architecture checks; a megatron-core GPT mod
 Qwen2 (tied embeddings, GQA with one key/value head) and Llama (untied, GQA 4:2) folder, HF -> Megatron ->
 HF bit-exact, on one rank and split over 2 ranks by tensor or by pipeline parallelism; the critic's value
 head; and the vocabulary-parallel log-probs, entropies and their gradients against the full-vocabulary
-computation on 2 ranks. megatron-core's forward passes allocate on CUDA (``device="cuda"`` literals), so
-everything that runs the model is marked ``gpu``: the same log-probs, values, losses and weights as the
-``torch`` backend (float32, stated tolerances), and a checkpoint round trip.
+computation on 2 ranks.
+
+megatron-core's model code places three things on CUDA whatever the model's device: a few buffers at
+``torch.cuda.current_device()``, the default causal mask (``device="cuda"``), and the CUDA random state it
+forks around attention dropout (dropout is 0 here). :func:`emulate_cuda_placement` points those three at the
+CPU, and nothing else, so the CPU tests run megatron-core's real layers (local spec, float32): the forward
+pass gives the ``torch`` backend's log-probs, entropies and values, and under TP=2 the same log-probs and
+the same gradients (gathered back to Hugging Face names) as one rank. What needs more of CUDA (megatron's
+DDP buffers and optimizer, its distributed checkpoints, pipeline transfers) is marked ``gpu``: the backend
+contract against the ``torch`` backend, and a checkpoint round trip.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -24,13 +32,16 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
+from rlx.batch import Batch
 from rlx.errors import UserError
 from rlx.plugins.backends.megatron import (
     MegatronOptions,
     check_layout,
     config_overrides,
     layout_problems,
+    model_outputs,
     require_megatron,
+    run_model,
     vocab_parallel_log_probs,
 )
 from rlx.plugins.backends.megatron_convert import (
@@ -78,6 +89,52 @@ def convert(path: str, options: MegatronOptions, value_head: bool = False, seed:
                           vpp=options.virtual_pipeline_model_parallel_size, device="cpu")
     load_hf(chunks, bridge, config, path, value_head=value_head, seed=seed)
     return {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=value_head, comm_device="cpu")}
+
+
+def emulate_cuda_placement(setattr_: Any) -> None:
+    """Point megatron-core's three CUDA-only placements at the CPU (see the module docstring)."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    setattr_(torch.cuda, "current_device", lambda: "cpu")
+    setattr_(fused_softmax, "get_default_causal_mask",
+             lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1))
+    setattr_(CudaRNGStatesTracker, "fork", lambda self, name="model-parallel-rng": contextlib.nullcontext())
+
+
+def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_head: bool = False,
+                      head: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The backend's forward pass (``run_model`` + ``model_outputs``) on ``batch``, then the gradients of
+    sum((log_probs + 0.1 entropy) * mask) (or of sum(values^2)) as full tensors with Hugging Face names
+    (each parameter's gradient written into it, then exported like weights)."""
+    config = read_hf_config(path)
+    bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
+    chunks = build_chunks(bridge, config, value_head=value_head, use_te=False, vpp=None, device="cpu")
+    load_hf(chunks, bridge, config, path, value_head=value_head, seed=0)
+    if head is not None:
+        with torch.no_grad():
+            chunks[0].output_layer.weight.copy_(head["weight"])
+            chunks[0].output_layer.bias.copy_(head["bias"])
+    output, where = run_model(chunks[0], batch, 1)
+    out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True)
+    if value_head:
+        loss = (out["values"] ** 2).sum()
+    else:
+        loss = ((out["log_probs"] + 0.1 * out["entropy"]) * batch["response_mask"]).sum()
+    loss.backward()
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.copy_(p.grad)
+    grads = {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=value_head, comm_device="cpu")}
+    return {**{k: v.detach() for k, v in out.items()}, "grads": grads}
+
+
+def forward_batch() -> Batch:
+    from test_backend_torch import make_batch
+
+    batch = make_batch(seed=2)
+    batch.meta["temperature"] = 0.7
+    return batch
 
 
 @pytest.fixture
@@ -172,6 +229,8 @@ def _rank_main(rank: int, world: int, port: int, tiny: str, llama: str, out: str
             mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(2, 1)
         res["vocab"] = _vocab_parallel_case(rank)
+        emulate_cuda_placement(setattr)
+        res["forward"] = forward_and_grads(llama, MegatronOptions(tensor_model_parallel_size=2), forward_batch())
         mpu.destroy_model_parallel()
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -244,6 +303,48 @@ def test_vocab_parallel_log_probs_entropy_and_gradients(two_ranks: list[dict]) -
         torch.testing.assert_close(res["log_probs"], lp.detach(), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(res["entropy"], ent.detach(), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(res["grad"], full.grad[..., rank * 5:(rank + 1) * 5], atol=1e-6, rtol=1e-6)
+
+
+def test_forward_gives_the_torch_backends_log_probs_entropy_and_values(
+        tiny_model_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's GPT model on the converted weights, rows right-aligned, log-probs and entropies from
+    the vocabulary-parallel head at temperature 0.7: the ``torch`` backend's numbers (float32, 1e-5); the
+    critic's values with the torch critic's head copied in, too."""
+    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.protocols import RoleSpec
+
+    emulate_cuda_placement(monkeypatch.setattr)
+    batch = forward_batch()
+    mask = batch["response_mask"].bool()
+    ref = TorchWorker(RoleSpec(role="ref", model_path=tiny_model_path, trainable=False, micro_batch_size=8),
+                      TorchBackendOptions(), "cpu")
+    want = ref.compute_log_probs(batch, with_entropy=True)
+    got = forward_and_grads(tiny_model_path, MegatronOptions(), batch)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[key][mask], want[key][mask], atol=1e-5, rtol=1e-5)
+        assert not got[key][~mask].any()
+    critic = TorchWorker(RoleSpec(role="critic", model_path=tiny_model_path, trainable=False, value_head=True,
+                                  micro_batch_size=8), TorchBackendOptions(), "cpu")
+    score = critic.model.score
+    head = {"weight": score.weight.detach(), "bias": score.bias.detach()}
+    values = forward_and_grads(tiny_model_path, MegatronOptions(), batch, value_head=True, head=head)["values"]
+    torch.testing.assert_close(values[mask], critic.compute_values(batch)["values"][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_forward_and_gradients_match_one_rank(
+        two_ranks: list[dict], llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2 over gloo (fused QKV and fc1 split by head group and by [gate; up], vocabulary-parallel embedding
+    and head, row-parallel projections with their all-reduces) gives one rank's log-probs and entropies, and
+    the same gradient for every weight once gathered (float32, 1e-5)."""
+    emulate_cuda_placement(monkeypatch.setattr)
+    one = forward_and_grads(llama_path, MegatronOptions(), forward_batch())
+    for rank in two_ranks:
+        got = rank["forward"]
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(got[key], one[key], atol=1e-5, rtol=1e-5)
+        assert set(got["grads"]) == set(one["grads"])
+        for name, grad in one["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 # -- checks before anything starts -----------------------------------------------------------------------

@@ -159,6 +159,13 @@ def has_transformer_engine() -> bool:
         return False
 
 
+def check_engine(options: MegatronOptions) -> None:
+    if options.sequence_parallel and not has_transformer_engine():
+        raise UserError("backend.sequence_parallel=true needs Transformer Engine: megatron-core's local (torch) "
+                        "norms do not support sequence parallelism.",
+                        "pip install transformer_engine[pytorch], or set backend.sequence_parallel=false.")
+
+
 # -- parallel state -------------------------------------------------------------------------------------
 def init_parallel(options: MegatronOptions, device: str, seed: int) -> None:
     """megatron-core's groups over the default group (which the launcher initialised, or a one-rank one).
@@ -294,6 +301,37 @@ def _vocab_parallel_function() -> type:
     return VocabParallelLogProbs
 
 
+def run_model(model: Any, micro: Batch, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One model chunk's forward pass on ``micro``: (its output: logits (b, L, V/tp), values (b, L, 1) or,
+    before the last pipeline stage, hidden states; the positions (b, R) that score the response tokens)."""
+    import torch
+
+    ids, where = right_aligned(micro, multiple)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    return model(ids, positions, None), where
+
+
+def model_outputs(output: torch.Tensor, where: torch.Tensor, micro: Batch, *, value_head: bool,
+                  with_entropy: bool) -> dict[str, torch.Tensor]:
+    """A role's per-token outputs (b, R) from the last stage's output, 0 at padding: ``values``, or
+    ``log_probs`` (and ``entropy``) at ``micro.meta["temperature"]`` from this TP rank's vocabulary shard."""
+    from megatron.core import parallel_state as mpu
+
+    mask = micro["response_mask"].to(output.device)
+    if value_head:
+        values = output.float().gather(1, where[..., None]).squeeze(-1)
+        return {"values": values * mask}
+    logits = output.gather(1, where[..., None].expand(-1, -1, output.shape[-1]))  # (b, R, V/tp)
+    logits = logits.float() / float(micro.meta.get("temperature", 1.0))
+    vocab_start = mpu.get_tensor_model_parallel_rank() * output.shape[-1]
+    log_probs, entropy = vocab_parallel_log_probs(logits, micro["responses"].to(output.device),
+                                                  mpu.get_tensor_model_parallel_group(), vocab_start, with_entropy)
+    out = {"log_probs": log_probs * mask}
+    if entropy is not None:
+        out["entropy"] = entropy * mask
+    return out
+
+
 # -- the worker -----------------------------------------------------------------------------------------
 class MegatronWorker:
     """One role's model on this rank's share of a megatron-core layout (GPU only)."""
@@ -320,6 +358,7 @@ class MegatronWorker:
         self.spec, self.options = spec, options
         self.hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
         check_architecture(self.hf_config, spec.model_path)
+        check_engine(options)
         # The rank's GPU is current before megatron-core creates its NCCL groups and CUDA random states.
         self.device = rank_device(device)
         init_parallel(options, self.device, spec.seed)
@@ -397,34 +436,11 @@ class MegatronWorker:
         return [float(v) for v in t.tolist()]
 
     def _run_chunk(self, model: Any, micro: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk's forward pass on ``micro``: (its output: logits (b, L, V/tp), values (b, L, 1) or, before
-        the last stage, hidden states; the positions (b, R) that score the response tokens)."""
-        import torch
-
-        multiple = self.tp_size if self.options.sequence_parallel else 1
-        ids, where = right_aligned(micro, multiple)
-        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
-        return model(ids, positions, None), where
+        return run_model(model, micro, self.tp_size if self.options.sequence_parallel else 1)
 
     def _outputs(self, output: torch.Tensor, where: torch.Tensor, micro: Batch, with_entropy: bool
                  ) -> dict[str, torch.Tensor]:
-        """The role's per-token outputs (b, R) from the last stage's output, 0 at padding."""
-        from megatron.core import parallel_state as mpu
-
-        mask = micro["response_mask"].to(output.device)
-        if self.spec.value_head:
-            values = output.float().gather(1, where[..., None]).squeeze(-1)
-            return {"values": values * mask}
-        logits = output.gather(1, where[..., None].expand(-1, -1, output.shape[-1]))  # (b, R, V/tp)
-        logits = logits.float() / float(micro.meta.get("temperature", 1.0))
-        vocab_start = self.tp_rank * output.shape[-1]
-        log_probs, entropy = vocab_parallel_log_probs(logits, micro["responses"].to(output.device),
-                                                      mpu.get_tensor_model_parallel_group(), vocab_start,
-                                                      with_entropy)
-        out = {"log_probs": log_probs * mask}
-        if entropy is not None:
-            out["entropy"] = entropy * mask
-        return out
+        return model_outputs(output, where, micro, value_head=self.spec.value_head, with_entropy=with_entropy)
 
     def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         import contextlib
@@ -749,6 +765,7 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
         hf_config = read_hf_config(path, ctx.config.model.trust_remote_code)
         check_architecture(hf_config, path)
     check_layout(options, _training_processes(ctx), hf_config)
+    check_engine(options)
     settings = settings_of(ctx)
     problems = settings_problems(settings)
     if problems:
