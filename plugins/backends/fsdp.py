@@ -10,14 +10,18 @@ module supplies only its primitives: the data-parallel group, a gradient sum ove
 global norm across shards.
 
 Process group. The worker uses the default (world) group that the launcher initialised before building it;
-every rank is one data-parallel rank. Without an initialised group (``--backend fsdp2`` in a single
-process) the worker initialises a one-rank group itself (gloo on the CPU, NCCL on a GPU, over an
-in-memory store), so a one-process run goes through exactly the same sharded code.
+every rank is one data-parallel rank, unless the role's ``ulysses_sequence_parallel_size`` (sp) is above 1:
+then groups of sp consecutive ranks split each sequence between them and count as one data-parallel rank
+(``rlx.plugins.backends.ulysses``). Parameters are sharded over every rank either way. Without an
+initialised group (``--backend fsdp2`` in a single process) the worker initialises a one-rank group itself
+(gloo on the CPU, NCCL on a GPU, over an in-memory store), so a one-process run goes through exactly the
+same sharded code.
 
 Exact gradients over ranks. A loss is already divided by the *global* token count, so the mini-batch
 gradient is the *sum* of the ranks' gradients: ``fsdp2`` sets FSDP's gradient divide factor to 1 with
 sum-only reductions;
-FSDP1 always averages, so ``fsdp`` multiplies the loss by the data-parallel size before ``backward``.
+FSDP1 always averages over all ranks, so ``fsdp`` multiplies the loss by the number of ranks before
+``backward``.
 
 Model loading (say which and why). ``fsdp2``: meta-device init and a rank-0 load. Every rank builds the
 model from its config on the meta device (no memory), shards it and allocates only its own shards; rank 0
@@ -293,8 +297,8 @@ class FSDPWorker(TorchWorker):
         self.dp_size, self.dp_rank, self.dp_group = world // size, self.rank // size, None
         if size == 1:
             return
-        check_processes(size, world, self.spec.role)
         check_heads(size, self._config(), self.spec.role)
+        check_processes(size, world, self.spec.role)
         grid = init_device_mesh(torch.device(self.device).type, (world // size, size), mesh_dim_names=("dp", "sp"))
         self.dp_group = grid.get_group("dp")
         self.sp = SequenceParallel(grid.get_group("sp"), size, self.rank % size)
