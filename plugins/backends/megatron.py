@@ -363,7 +363,7 @@ class MegatronWorker:
         self.device = rank_device(device)
         init_parallel(options, self.device, spec.seed)
         check_layout(options, None, self.hf_config)
-        self.comm_device = "cuda"
+        self.comm_device = "cuda" if self.device.startswith("cuda") else "cpu"
         torch.manual_seed(spec.seed)
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
         self.pp_size = mpu.get_pipeline_model_parallel_world_size()
