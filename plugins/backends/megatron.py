@@ -78,6 +78,8 @@ class MegatronOptions(BaseModel):
         None, description="With recompute_granularity=full: how layers are grouped for recomputation.")
     recompute_num_layers: int | None = Field(None, ge=1, le=100_000, description="With recompute_granularity=full:"
                                              " layers per group (uniform) or recomputed layers per stage (block).")
+    num_threads: int | None = Field(None, gt=0, le=4096, description="torch CPU threads per process (default: "
+                                    "torch's choice).")
 
 
 # -- checks that need no torch --------------------------------------------------------------------------
@@ -356,6 +358,8 @@ class MegatronWorker:
                             "random-state tracking are CUDA-only.",
                             "Use --backend fsdp2 or torch on the CPU.")
         self.spec, self.options = spec, options
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
         self.hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
         check_architecture(self.hf_config, spec.model_path)
         check_engine(options)
