@@ -195,7 +195,10 @@ def test_more_processes_than_gpus_counts_both_pools(monkeypatch: pytest.MonkeyPa
     from rlx.plugins.launchers.local import ProcessLauncher
 
     with pytest.raises(UserError, match=r"3 processes \(2 training \+ 1 rollout"):
-        ProcessLauncher(LocalOptions(nproc=2, rollout_nproc=1), "cuda", 0)
+        ProcessLauncher(LocalOptions(nproc=2, rollout_nproc=1, weight_sync="broadcast"), "cuda", 0)
+    # auto: the rollout process shares training rank 0's GPU instead; the training pool alone must fit.
+    with pytest.raises(UserError, match=r"^3 processes on this machine need as many GPUs, but 2"):
+        ProcessLauncher(LocalOptions(nproc=3, rollout_nproc=1), "cuda", 0)
 
 
 def test_a_negative_rollout_nproc_is_a_config_error(tmp_path: Path) -> None:

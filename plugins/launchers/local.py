@@ -11,8 +11,9 @@
   weights are loaded and responses generated (``launcher.sleep_rollout``), and takes the actor's weights
   inside the process. ``launcher.rollout_nproc=K`` starts K more processes that hold only the rollout
   engine (a separate pool; world size N + K): ``generate`` goes to them, training calls to the training
-  pool, and after each update rank 0 broadcasts the actor's weights to them in buckets
-  (``rlx.weight_sync``). Each pool's processes form their own default ``torch.distributed`` group (the
+  pool, and after each update rank 0 sends the actor's weights to them in buckets (``rlx.weight_sync``):
+  by broadcast when they have GPUs of their own, by CUDA IPC when they share training rank 0's GPU
+  (``launcher.weight_sync``). Each pool's processes form their own default ``torch.distributed`` group (the
   training pool's is the one the backends use); commands and the weights travel over groups of their own.
 - Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set), the same with torchrun's
   processes (one pool): rank 0 drives, the other ranks serve.
@@ -63,6 +64,12 @@ class LocalOptions(BaseModel):
     sleep_rollout: bool = Field(True, description="A colocated rollout engine sleeps (frees what its device "
                                 "memory holds) while the models train, and wakes up before it takes new weights "
                                 "and generates.")
+    weight_sync: Literal["auto", "broadcast", "cuda_ipc"] = Field(
+        "auto", description="How a separate rollout pool gets the actor's weights on GPUs. broadcast: the pool's "
+        "processes have GPUs of their own and training rank 0 broadcasts over NCCL. cuda_ipc: the pool's "
+        "processes run on training rank 0's GPU and map its buffers (CUDA IPC). auto: broadcast when the machine "
+        "has a GPU for every process, cuda_ipc otherwise. On the CPU: broadcast over gloo. A colocated engine "
+        "(launcher.rollout_nproc=0) takes them in process whatever this says.")
     timeout_s: float = Field(1800.0, gt=0, description="Most seconds a collective between workers may wait "
                              "before the run stops with an error naming the rank (a hung worker).")
 
@@ -183,10 +190,15 @@ class LocalLauncher(_PhaseSwitch):
 @dataclass(frozen=True)
 class Layout:
     """Global ranks ``0..train-1`` are the training pool, ``train..train+rollout-1`` the rollout pool
-    (none: the rollout engine is colocated in the training pool)."""
+    (none: the rollout engine is colocated in the training pool). On GPUs every training rank takes the GPU
+    of its index; the rollout pool takes the next ones, or, with ``share_gpu``, runs on training rank 0's."""
 
     train: int
     rollout: int = 0
+    share_gpu: bool = False
+
+    def gpu(self, rank: int) -> int:
+        return 0 if self.share_gpu and self.in_rollout_pool(rank) else rank
 
     @property
     def world(self) -> int:
@@ -239,9 +251,11 @@ class _Host:
     ranks, when there is one, the group over which the actor's weights are broadcast.
     """
 
-    def __init__(self, rank: int, layout: Layout, control: Any, weights: Any = None, comm_device: str = "cpu") -> None:
+    def __init__(self, rank: int, layout: Layout, control: Any, weights: Any = None, comm_device: str = "cpu",
+                 transport: str = "broadcast") -> None:
         self.rank, self.layout = rank, layout
         self.control, self.weights, self.comm_device = control, weights, comm_device
+        self.transport = transport  # between rank 0 and a rollout pool: broadcast or cuda_ipc
         self.roles: dict[str, Any] = {}
 
     # The driver's half of a command ------------------------------------------------------------------
@@ -305,10 +319,14 @@ class _Host:
 
         if source is not None and engine is not None:
             return weight_sync.sync_in_process(source, engine, limit)
+        ipc = self.transport == "cuda_ipc"
         if source is not None and self.weights is not None:
-            return weight_sync.broadcast_send(source.named_weights(), self.weights, limit, self.comm_device)
+            send = weight_sync.ipc_send if ipc else weight_sync.broadcast_send
+            return send(source.named_weights(), self.weights, limit, self.comm_device)
         if source is not None:
             return weight_sync.iterate_only(source)
+        if engine is not None and ipc:
+            return weight_sync.ipc_receive_into(engine, self.weights)
         if engine is not None:
             return weight_sync.receive_into(engine, self.weights, self.comm_device)
         return weight_sync.SyncStats()
@@ -323,8 +341,8 @@ def _use_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def _prepare(rank: int, device: str, threads: int | None) -> bool:
-    """Threads and this process's GPU (its local rank's); whether it uses CUDA."""
+def _prepare(rank: int, device: str, threads: int | None, gpu: int | None = None) -> bool:
+    """Threads and this process's GPU (``gpu``, or its local rank's); whether it uses CUDA."""
     import torch
 
     global PROCESS_GROUP_USED
@@ -334,7 +352,7 @@ def _prepare(rank: int, device: str, threads: int | None) -> bool:
         torch.set_num_threads(threads)
     use_cuda = _use_cuda(device)
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(gpu if gpu is not None else int(os.environ.get("LOCAL_RANK", rank)))
     return use_cuda
 
 
@@ -360,31 +378,60 @@ def _group(backend: str, store: Any, rank: int, size: int, timeout: timedelta) -
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def weights_group(rank: int, layout: Layout, store: Any, use_cuda: bool, timeout_s: float) -> Any:
-    """With a rollout pool, on rank 0 and the rollout ranks: the group over which rank 0 broadcasts the
-    actor's weights (NCCL on GPUs, gloo on the CPU); None elsewhere."""
+def weights_group(rank: int, layout: Layout, store: Any, use_cuda: bool, timeout_s: float,
+                  transport: str = "broadcast") -> Any:
+    """With a rollout pool, on rank 0 and the rollout ranks: the group over which rank 0 sends the actor's
+    weights (a broadcast: NCCL on GPUs, gloo on the CPU; CUDA IPC: gloo, for the handles and
+    acknowledgements); None elsewhere."""
     import torch.distributed as dist
 
     if not layout.rollout or not (rank == 0 or layout.in_rollout_pool(rank)):
         return None
-    return _group("nccl" if use_cuda else "gloo", dist.PrefixStore("rlx/weights", store),
+    nccl = use_cuda and transport == "broadcast"
+    return _group("nccl" if nccl else "gloo", dist.PrefixStore("rlx/weights", store),
                   0 if rank == 0 else rank - layout.train + 1, layout.rollout + 1, timedelta(seconds=timeout_s))
 
 
-def _join(rank: int, layout: Layout, store: Any, timeout_s: float, device: str, threads: int | None) -> _Host:
+def _gpu_uuid() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def _transport(rank: int, layout: Layout, store: Any, use_cuda: bool, mode: Any) -> str:
+    """Rank 0 and the rollout ranks: how the weights travel between them. Each publishes its GPU's UUID in
+    the store; rank 0 chooses (``rlx.weight_sync.choose``: a user error there ends the run before anything
+    is built) and publishes the choice, which the rollout ranks read."""
+    from rlx import weight_sync
+
+    store.set(f"rlx/gpu/{rank}", _gpu_uuid() if use_cuda else "")
+    if rank != 0:
+        return store.get("rlx/transport").decode()
+    gpus = [store.get(f"rlx/gpu/{r}").decode() or None for r in range(layout.train, layout.world)]
+    chosen = weight_sync.choose(mode, _gpu_uuid() if use_cuda else None, gpus)
+    store.set("rlx/transport", chosen)
+    return chosen
+
+
+def _join(rank: int, layout: Layout, store: Any, timeout_s: float, device: str, threads: int | None,
+          mode: Any = "auto") -> _Host:
     """Set up a process of a run that rlx started: its pool's default group (the training pool's is the one
     the backends use; the rollout pool has none, its engine sets up what it needs), the control group of
-    every process and, with a rollout pool, the weights group of rank 0 and the rollout ranks."""
+    every process and, with a rollout pool, the weights group of rank 0 and the rollout ranks (``mode``:
+    ``launcher.weight_sync``, read on rank 0)."""
     import torch.distributed as dist
 
-    use_cuda = _prepare(rank, device, threads)
+    use_cuda = _prepare(rank, device, threads, layout.gpu(rank))
     timeout = timedelta(seconds=timeout_s)
+    transport = "broadcast"
+    if layout.rollout and (rank == 0 or layout.in_rollout_pool(rank)):
+        transport = _transport(rank, layout, store, use_cuda, mode)
     if not layout.in_rollout_pool(rank):
         dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore("rlx/train", store),
                                 rank=rank, world_size=layout.train, timeout=timeout)
     control = _group("gloo", dist.PrefixStore("rlx/control", store), rank, layout.world, timeout)
-    weights = weights_group(rank, layout, store, use_cuda, timeout_s)
-    return _Host(rank, layout, control, weights, "cuda" if use_cuda else "cpu")
+    weights = weights_group(rank, layout, store, use_cuda, timeout_s, transport)
+    return _Host(rank, layout, control, weights, "cuda" if use_cuda else "cpu", transport)
 
 
 def _die_with_parent() -> None:
@@ -419,6 +466,29 @@ def _worker_main(rank: int, layout: Layout, port: int, timeout_s: float, device:
         errors.send((rank, user, str(exc) if user else describe_exception(exc)))
         os._exit(2 if user else 1)
     os._exit(0)
+
+
+def plan(options: LocalOptions, gpus: int | None) -> Layout:
+    """The pools of a run that rlx starts, on ``gpus`` visible GPUs (None: the CPU). A rollout pool shares
+    training rank 0's GPU (and gets the weights by CUDA IPC) with ``launcher.weight_sync=cuda_ipc``, or with
+    ``auto`` when the machine has no GPU left for it; otherwise every process takes a GPU of its own."""
+    train, rollout, mode = options.nproc, options.rollout_nproc, options.weight_sync
+    if gpus is None:
+        if mode == "cuda_ipc":
+            raise UserError("launcher.weight_sync=cuda_ipc needs CUDA GPUs, but this run is on the CPU.",
+                            "Use launcher.weight_sync=auto or broadcast on the CPU (gloo).")
+        return Layout(train, rollout)
+    share = rollout > 0 and (mode == "cuda_ipc" or (mode == "auto" and train + rollout > gpus))
+    layout = Layout(train, rollout, share)
+    need = train if share else layout.world
+    if need > gpus:
+        pools = (f" ({train} training + {rollout} rollout, launcher.rollout_nproc, launcher.weight_sync={mode})"
+                 if rollout and not share else "")
+        shared = (" or let the rollout pool share training rank 0's GPU (launcher.weight_sync=auto or cuda_ipc)"
+                  if mode == "broadcast" else "")
+        raise UserError(f"{need} processes{pools} on this machine need as many GPUs, but {gpus} are visible.",
+                        f"Use {gpus} processes or fewer (one process per GPU){shared}.")
+    return layout
 
 
 class ProcessWorkerGroup:
@@ -473,20 +543,19 @@ class ProcessLauncher(_PhaseSwitch):
             self.layout = Layout(world)
         else:
             rank = 0
-            self.layout = Layout(options.nproc, options.rollout_nproc)
-            world = self.layout.world
+            world = options.nproc + options.rollout_nproc
         use_cuda = _use_cuda(device)
-        if use_cuda:
-            if not torch.cuda.is_available():
-                raise UserError("trainer.device=cuda, but no CUDA GPU is visible.",
-                                "Run on a GPU machine, or use trainer.device=cpu (gloo).")
+        if use_cuda and not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda, but no CUDA GPU is visible.",
+                            "Run on a GPU machine, or use trainer.device=cpu (gloo).")
+        count = torch.cuda.device_count() if use_cuda else None
+        if not under_torchrun:
+            self.layout = plan(options, count)
+        if count is not None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            if local > torch.cuda.device_count():
-                pools = (f" ({self.layout.train} training + {self.layout.rollout} rollout, launcher.rollout_nproc)"
-                         if self.layout.rollout else "")
-                raise UserError(f"{local} processes{pools} on this machine need as many GPUs, but "
-                                f"{torch.cuda.device_count()} are visible.",
-                                f"Use {torch.cuda.device_count()} processes or fewer in all (one process per GPU).")
+            if under_torchrun and local > count:
+                raise UserError(f"{local} processes on this machine need as many GPUs, but {count} are visible.",
+                                f"Use {count} processes or fewer in all (one process per GPU).")
             if not dist.is_nccl_available():
                 raise UserError("This torch build has no NCCL, which GPU workers need.",
                                 "Install a CUDA build of torch, or use trainer.device=cpu.")
@@ -517,7 +586,12 @@ class ProcessLauncher(_PhaseSwitch):
             self.children.append(proc)
         threading.Thread(target=self._watch, name="rlx-worker-watchdog", daemon=True).start()
         self.store = store  # the rendezvous lives as long as this process serves it
-        self.host = _join(0, self.layout, store, options.timeout_s, device, threads)
+        self.host = _join(0, self.layout, store, options.timeout_s, device, threads, options.weight_sync)
+        if self.layout.rollout:
+            where = ("on training rank 0's GPU" if self.layout.share_gpu else
+                     "on GPUs of their own" if use_cuda else "on the CPU")
+            print(f"Weight sync: {self.host.transport} (rank 0 to {self.layout.rollout} rollout process(es) "
+                  f"{where}, buckets of {options.bucket_size_mb:g} MiB).", flush=True)
 
     def _watch(self) -> None:
         """Rank 0's watchdog: a worker that dies ends the run at once, naming it (rank 0 may be blocked in
@@ -602,7 +676,9 @@ class ProcessLauncher(_PhaseSwitch):
             return LocalWorkerGroup(role, [build(0, 1)])
         ranks = self.layout.ranks(role)
         group = ProcessWorkerGroup(self, role, self.run(("build", role, build), None, ranks), ranks)
-        if role in ROLLOUT_ROLES and not self.layout.rollout:
+        # A rollout pool on training rank 0's GPU shares its memory with training: it sleeps as a colocated
+        # engine does.
+        if role in ROLLOUT_ROLES and (not self.layout.rollout or self.layout.share_gpu):
             self.colocated_rollout = group
         return group
 
@@ -637,6 +713,11 @@ class ProcessLauncher(_PhaseSwitch):
 
 def build(options: LocalOptions | None, ctx: BuildContext) -> LocalLauncher | ProcessLauncher:
     options = options or LocalOptions()
+    if options.weight_sync != "auto" and not options.rollout_nproc:
+        raise UserError(f"launcher.weight_sync={options.weight_sync} chooses how a separate rollout pool gets the "
+                        "actor's weights, but there is none (launcher.rollout_nproc=0): the engine lives in every "
+                        "training process and takes them in process.",
+                        "Set launcher.rollout_nproc=K for a rollout pool, or leave launcher.weight_sync=auto.")
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
     if options.nproc == 1 and not options.rollout_nproc and not under_torchrun:
         return LocalLauncher(options)
