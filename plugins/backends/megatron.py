@@ -707,7 +707,7 @@ class MegatronWorker:
                             "Resume with the backend that wrote the checkpoint.")
         try:
             state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
-        except (RuntimeError, ValueError, KeyError, OSError) as exc:
+        except Exception as exc:  # dist_checkpointing reports a damaged or mismatched folder in many types
             raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {exc}",
                             "Resume from another checkpoint, with the model the run was started with.") from None
         for i, chunk in enumerate(self.chunks):
