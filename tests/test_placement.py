@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rlx import Component, hookimpl
+from rlx.batch import Batch
 from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.launchers.local import LocalOptions, build
@@ -248,3 +249,147 @@ def test_a_dead_rollout_process_ends_the_run_naming_its_rank(tmp_path: Path) -> 
     assert proc.returncode == 1, err[-3000:]
     assert "Error: worker rank 1 failed: exited with status -9" in err, err[-3000:]
     assert "Traceback" not in err.split("Error:")[-1]
+
+
+# -- balancing the data-parallel ranks by tokens (actor/critic.use_dynamic_bsz) ------------------------------
+def ragged(rows: int, seed: int) -> Batch:
+    """Rows of 1 to 40 prompt and 1 to 60 response tokens (padded), each with its index in ``row``."""
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(1, 41, (rows,), generator=g)
+    rlens = torch.randint(1, 61, (rows,), generator=g)
+    prompt_mask = (torch.arange(40) >= 40 - plens[:, None]).long()
+    response_mask = (torch.arange(60) < rlens[:, None]).long()
+    return Batch({"prompts": torch.randint(3, 60, (rows, 40), generator=g) * prompt_mask,
+                  "prompt_mask": prompt_mask,
+                  "responses": torch.randint(3, 60, (rows, 60), generator=g) * response_mask,
+                  "response_mask": response_mask, "row": torch.arange(rows)}, meta={"pad_token_id": 0})
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_order(parts: int) -> None:
+    """On ragged batches (8 seeds, 9 to 64 rows): every rank gets as many rows as the plain split gives it,
+    every row goes to exactly one rank, the ranks' token totals differ by at most the longest row (the
+    greedy's bound: a rank takes a row only while it is the lightest with room), and the results come back
+    bit for bit in the original order."""
+    from rlx.plugins.launchers.local import balance, gather, shard, unbalance
+    from rlx.training import row_tokens
+
+    for seed in range(8):
+        batch = ragged(9 + 7 * seed, seed)
+        batch = batch.index(sorted(range(len(batch)), key=lambda i: row_tokens(batch)[i]))  # skewed split
+        plain = [sum(row_tokens(b)) for b in shard(batch, parts)]
+        balanced, order = balance(batch, parts)
+        shares = shard(balanced, parts)
+        tokens = [sum(row_tokens(b)) for b in shares]
+        assert [len(b) for b in shares] == [len(b) for b in shard(batch, parts)]
+        assert sorted(torch.cat([b["row"] for b in shares]).tolist()) == list(range(len(batch)))
+        assert max(tokens) - min(tokens) <= max(row_tokens(batch)), (seed, tokens)
+        assert max(tokens) - min(tokens) < max(plain) - min(plain), (seed, tokens, plain)
+        back = unbalance(gather(shares), order)
+        for key, value in batch.tensors.items():
+            assert torch.equal(back[key], value), key
+    minibatches, order = balance([ragged(16, 0), ragged(16, 1)], 2)  # an update's: each balanced, metrics back
+    assert order is None and [m["row"].tolist() for m in minibatches] == [
+        batch["row"].tolist() for batch in (balance(ragged(16, 0), 2)[0], balance(ragged(16, 1), 2)[0])]
+
+
+def test_roles_are_balanced_under_dynamic_batch_sizes_only() -> None:
+    from rlx.plugins.launchers.local import balanced_roles
+    from rlx.registry import get_plugin_manager
+    from rlx.validate import load_config
+
+    pm = get_plugin_manager()
+
+    def roles(*overrides: str) -> frozenset[str]:
+        return balanced_roles(load_config(pm, preset="tiny", overrides=list(overrides)).config)
+
+    assert roles() == frozenset()
+    assert roles("actor.use_dynamic_bsz=true") == {"actor", "ref"}  # the reference scores like the actor
+    assert roles("critic.use_dynamic_bsz=true") == {"critic"}
+
+
+BALANCED_UPDATE = textwrap.dedent('''
+    import os, sys
+    from functools import partial
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_backend_torch import make_batch, grpo_loss
+    from rlx import builtin
+    from rlx.context import BuildContext
+    from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
+    from rlx.plugins.launchers.local import LocalOptions, build
+    from rlx.protocols import RoleSpec, RunInfo
+    from rlx.trainer import ppo_update
+    from rlx.training import row_tokens
+
+    def main(nproc, out):
+        launcher = build(LocalOptions(nproc=nproc), BuildContext(None, RunInfo(out, "p", "e", {{}})))
+        launcher.balanced_roles = frozenset({{"actor"}})  # what actor.use_dynamic_bsz=true gives
+        dynamic = {{"use_dynamic_bsz": True, "ppo_max_token_len": 30, "ppo_max_token_len_option": "ppo",
+                   "log_prob_max_token_len": 30, "log_prob_max_token_len_option": "log_prob"}}
+        spec = RoleSpec(role="actor", model_path=builtin.resolve("builtin:tiny-qwen2"), trainable=True, lr=3e-4,
+                        micro_batch_size=2, seed=0, extra=dynamic)
+        actor = launcher.create_group("actor", partial(TorchBackend(TorchBackendOptions(), "cpu").worker, spec))
+        shares = []  # the tokens each rank is sent, per call
+        if nproc > 1:
+            run = launcher.run
+
+            def recording(cmd, sent=None, ranks=None):
+                if cmd[0] == "call":
+                    shares.append([sum(row_tokens(s if hasattr(s, "tensors") else s[0])) for s in sent])
+                return run(cmd, sent, ranks)
+
+            launcher.run = recording
+        batch = make_batch(seed=1, rows=8)  # 7 to 14 tokens a row; sorted, a plain split gives 35 and 49
+        batch = batch.index(sorted(range(8), key=lambda i: row_tokens(batch)[i]))
+        log_probs = actor.call("compute_log_probs", batch)["log_probs"]
+        batch.tensors["old_log_probs"] = log_probs
+        metrics = {{}}
+        ppo_update(actor, batch, grpo_loss(loss_agg_mode="token-mean"), epochs=2, mini_size=8, shuffle=False,
+                   seed=7, prefix="actor", metrics=metrics)
+        actor.call_all("save_pretrained", out + "/model")
+        launcher.shutdown()
+        torch.save({{"metrics": metrics, "log_probs": log_probs, "shares": shares}}, out + "/result.pt")
+
+    if __name__ == "__main__":
+        main(int(sys.argv[1]), sys.argv[2])
+        os._exit(0)  # as the CLI does after torch.distributed was used
+''')
+
+
+@pytest.mark.slow
+def test_balanced_ranks_give_the_one_process_log_probs_and_update(tmp_path: Path) -> None:
+    """Dynamic batch sizes, 2 processes with the ranks balanced by tokens against 1 process: each rank gets
+    41-43 tokens (the plain split: 35 and 49), the log-probs come back row by row in the batch's order, and the
+    update (2 epochs of one mini-batch) matches.
+
+    Not bit for bit: moving a row to another rank moves its terms into other float32 sums (its micro-batch's
+    packed matmuls, its rank's gradient accumulation, then the sum over ranks), and float addition is not
+    associative. Measured over data seeds 1-3 (the worst of the three): log-probs 3.8e-6 apart, gradient norm
+    4.5e-7 and policy loss 1.9e-6 relative, weights 6.6e-6 (AdamW's first steps move a weight by about
+    lr x g / (|g| + eps), so an entry whose gradient is near eps turns a 1e-9 round-off into ~1e-5). The
+    tolerances are about 5 times those. The same comparison without balancing differs as much (the
+    micro-batches already differ between 1 and 2 processes): balancing adds no error of its own. What must
+    be exact is tested without float sums: the rows each rank gets and the order of the results
+    (test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_order)."""
+    from transformers import AutoModelForCausalLM
+
+    script = tmp_path / "balanced_update.py"
+    script.write_text(BALANCED_UPDATE.format(tests=str(Path(__file__).parent)))
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"n{nproc}"
+        out.mkdir()
+        run = subprocess.run([sys.executable, str(script), str(nproc), str(out)], capture_output=True, text=True,
+                             timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[nproc] = (torch.load(out / "result.pt"),
+                          AutoModelForCausalLM.from_pretrained(out / "model").state_dict())
+    (one, w1), (two, w2) = results[1], results[2]
+    assert two["shares"] == [[43, 41], [43, 41]], two["shares"]  # log-probs, then the update's mini-batch
+    torch.testing.assert_close(two["log_probs"], one["log_probs"], atol=2e-5, rtol=0)
+    m1, m2 = one["metrics"], two["metrics"]
+    assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=2e-6)
+    assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-5)
+    for k, v in w1.items():
+        torch.testing.assert_close(w2[k], v, atol=3e-5, rtol=0, msg=k)

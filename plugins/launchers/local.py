@@ -90,6 +90,42 @@ def shard(value: Any, parts: int) -> list[Any]:
     return [value] * parts
 
 
+def balanced_roles(config: Any) -> frozenset[str]:
+    """The roles whose calls are balanced over data-parallel ranks by tokens: those with dynamic batch sizes
+    (``actor.use_dynamic_bsz``, which the reference follows, and ``critic.use_dynamic_bsz``), as verl
+    balances under dynamic batch sizes. Without it a rank's micro-batches are counted in rows, and moving
+    rows between ranks would only change the float order of the update's sums."""
+    if config is None:
+        return frozenset()
+    return frozenset(role for role, on in (("actor", config.actor.use_dynamic_bsz),
+                                           ("ref", config.actor.use_dynamic_bsz),
+                                           ("critic", config.critic.use_dynamic_bsz)) if on)
+
+
+def balance(value: Any, parts: int) -> tuple[Any, list[int] | None]:
+    """A call's data reordered so that :func:`shard` gives every data-parallel rank as many rows as before
+    with nearly equal token counts (``rlx.training.balanced_order``), and the order to undo on its per-row
+    results (None: nothing to undo; the mini-batches of an update, each balanced, return metrics)."""
+    from rlx.training import balance_for_ranks, balanced_order
+
+    if isinstance(value, Batch):
+        order = balanced_order(value, parts)
+        return (value, None) if order is None else (value.index(order), order)
+    if isinstance(value, list) and value and all(isinstance(v, Batch) for v in value):
+        return [balance_for_ranks(v, parts) for v in value], None
+    return value, None
+
+
+def unbalance(result: Any, order: list[int] | None) -> Any:
+    """Per-row results of a balanced call back in the rows' original order."""
+    if order is None or not isinstance(result, Batch):
+        return result
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return result.index(inverse)
+
+
 def gather(results: list[Any]) -> Any:
     """Combine the data-parallel ranks' results: batches are concatenated (rollouts of different response
     widths padded first), metric dicts averaged, lists (one entry per optimizer step) entry by entry."""
@@ -501,14 +537,16 @@ class ProcessWorkerGroup:
         self.ranks = ranks if ranks is not None else list(range(len(infos)))
         self.world_size = len(infos)
         self.dp_size = infos[0].dp_size
+        self.balanced = self.dp_size > 1 and role in getattr(launcher, "balanced_roles", frozenset())
 
     def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
+        batch, order = balance(batch, self.dp_size) if self.balanced else (batch, None)
         parts = shard(batch, self.dp_size)
         shares = [parts[info.dp_rank] for info in self.infos]
         results = self.launcher.run(("call", self.role, method, args, kwargs), shares, self.ranks)
         collected = sorted(((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect),
                            key=lambda pair: pair[0])
-        return gather([r for _, r in collected])
+        return unbalance(gather([r for _, r in collected]), order)
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.launcher.run(("call_all", self.role, method, args, kwargs), None, self.ranks)
@@ -520,6 +558,8 @@ class ProcessWorkerGroup:
 class ProcessLauncher(_PhaseSwitch):
     """The training pool's N processes (and the rollout pool's K) with torch.distributed; this process is
     rank 0 (see the module doc)."""
+
+    balanced_roles: frozenset[str] = frozenset()  # see balanced_roles(); set from the config by build()
 
     def __init__(self, options: LocalOptions, device: str, seed: int) -> None:
         import multiprocessing as mp
@@ -724,7 +764,9 @@ def build(options: LocalOptions | None, ctx: BuildContext) -> LocalLauncher | Pr
     cfg = ctx.config
     device = cfg.trainer.device if cfg is not None else "auto"
     seed = cfg.trainer.seed if cfg is not None else 0
-    return ProcessLauncher(options, device, seed)
+    launcher = ProcessLauncher(options, device, seed)
+    launcher.balanced_roles = balanced_roles(cfg)
+    return launcher
 
 
 @hookimpl

@@ -52,6 +52,7 @@ from rlx.plugins.launchers.local import (
     _PhaseSwitch,
     _prepare,
     _set_up_process,
+    balanced_roles,
     weights_group,
 )
 
@@ -175,6 +176,8 @@ def _failure(exc: BaseException) -> _Failure:
 
 class RayLauncher(_PhaseSwitch):
     """Ray actors as the workers (see the module doc); this process drives and is not a rank."""
+
+    balanced_roles: frozenset[str] = frozenset()  # local.balanced_roles(); set from the config by build()
 
     def __init__(self, options: RayOptions, device: str, seed: int) -> None:
         ray = require("ray", "ray", "The ray launcher (launcher.name=ray)")
@@ -471,7 +474,9 @@ def build(options: RayOptions | None, ctx: BuildContext) -> RayLauncher:
     cfg = ctx.config
     device = cfg.trainer.device if cfg is not None else "auto"
     seed = cfg.trainer.seed if cfg is not None else 0
-    return RayLauncher(options, device, seed)
+    launcher = RayLauncher(options, device, seed)
+    launcher.balanced_roles = balanced_roles(cfg)
+    return launcher
 
 
 @hookimpl
