@@ -10,7 +10,7 @@ time by :func:`merged_weights`; the model itself is never merged in place, so tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import UserError
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 ADAPTER = "default"  # peft's name for the one adapter rlx trains
 ADAPTER_FILE = "adapter.safetensors"  # a checkpoint's trainable tensors (adapters, a value head)
+_PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own names
 INSTALL_HINT = "Install peft: pip install 'rlx[peft]' (or pip install peft)."
 # Heads of transformers' *ForTokenClassification models: new on a value model, so trained in full.
 _VALUE_HEADS = ("score", "classifier")
@@ -88,6 +89,9 @@ def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: 
     if value_head:
         head = [name for name, _ in model.named_children() if name in _VALUE_HEADS]
         excluded += head  # trained in full (modules_to_save), never given an adapter
+    else:  # the output head stays plain: the chunked log-prob head computes from its weight alone
+        output = model.get_output_embeddings()
+        excluded += [name for name, module in model.named_modules() if output is not None and module is output]
     _check_targets(model, lora, excluded)
     config = LoraConfig(
         r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
@@ -102,9 +106,10 @@ def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: 
 
 
 def base_name(key: str) -> str | None:
-    """The plain model's name of a key of the wrapped base model's state dict; None for adapter tensors and
-    the frozen original of a module trained in full."""
-    parts = key.split(".")
+    """The plain model's name of a key of the wrapped model's state dict (with or without peft's
+    ``base_model.model.`` prefix); None for adapter tensors and the frozen original of a module trained in
+    full."""
+    parts = key.removeprefix(_PEFT_PREFIX).split(".")
     if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
         return None
     out: list[str] = []
@@ -120,25 +125,44 @@ def base_name(key: str) -> str | None:
     return ".".join(out)
 
 
-def merged_weights(wrapped: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain model's tensors with the adapter merged in (base + scale * B @ A, computed in float32 and
-    returned in the base's dtype), one at a time, named as in the Hugging Face model."""
-    import torch
-    from peft.tuners.lora import LoraLayer
+def merge_stream(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The wrapped model's full tensors, in state-dict order, turned into the plain model's: a linear layer's
+    ``base_layer.weight`` held until its ``lora_A`` and ``lora_B`` arrive (they follow it) and yielded as
+    base + scale * B @ A (computed in float32, returned in the base's dtype); adapters themselves dropped.
+    Works on any stream of full tensors, so a sharded backend that gathers one tensor at a time can use it."""
+    held: dict[str, torch.Tensor] = {}  # module -> its base weight, until both factors are here
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in named:
+        parts = key.split(".")
+        if key.endswith(".base_layer.weight"):
+            held[key.removesuffix(".base_layer.weight")] = tensor
+            continue
+        factor = next((p for p in parts if p in ("lora_A", "lora_B")), None)
+        if factor is not None and parts[-1] == "weight" and f".{factor}.{ADAPTER}." in key:
+            module = key.split(f".{factor}.")[0]
+            got = factors.setdefault(module, {})
+            got[factor] = tensor
+            if len(got) == 2 and module in held:
+                base = held.pop(module)
+                del factors[module]
+                merged = base.float() + scale * (got["lora_B"].float() @ got["lora_A"].float())
+                yield str(base_name(f"{module}.base_layer.weight")), merged.to(base.dtype)
+            continue
+        name = base_name(key)
+        if name is not None:
+            yield name, tensor
+    if held or factors:
+        raise RuntimeError(f"LoRA layers without both factors: {sorted(held) + sorted(factors)}")
 
-    base = wrapped.get_base_model()
-    deltas = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
-              if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
-    with torch.no_grad():
-        for key, tensor in base.state_dict().items():
-            name = base_name(key)
-            if name is None:
-                continue
-            layer = deltas.get(key)
-            if layer is not None:
-                delta = layer.get_delta_weight(ADAPTER)
-                tensor = (tensor.float() + delta.float()).to(tensor.dtype)
-            yield name, tensor.detach()
+
+def merged_weights(wrapped: Any, scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's tensors with the adapter merged in, one at a time, named as in the Hugging Face
+    model (``scale`` = lora_alpha / lora_rank). A state dict's tensors are detached: merging builds no graph."""
+    yield from merge_stream(wrapped.state_dict().items(), scale)
+
+
+def scale_of(lora: dict[str, Any]) -> float:
+    return float(lora["alpha"]) / int(lora["rank"])
 
 
 def is_adapter(name: str) -> bool:

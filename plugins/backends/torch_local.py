@@ -667,9 +667,9 @@ class TorchWorker:
     # -- weights and checkpoints ------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.lora is not None:  # base + adapter, merged tensor by tensor under the base's names
-            from rlx.lora import merged_weights
+            from rlx.lora import merged_weights, scale_of
 
-            yield from merged_weights(self.model)
+            yield from merged_weights(self.model, scale_of(self.lora))
             return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
