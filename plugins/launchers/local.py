@@ -57,8 +57,9 @@ class LocalOptions(BaseModel):
     nproc: int = Field(1, ge=1, le=1024, description="Worker processes of the training pool (one per GPU on a "
                        "GPU machine).")
     rollout_nproc: int = Field(0, ge=0, le=1024, description="Processes that hold only the rollout engine (a "
-                               "separate pool, one GPU each; the actor's weights are broadcast to them after "
-                               "each update). 0: the engine lives in every training process (colocated).")
+                               "separate pool, on GPUs of their own or on training rank 0's GPU: "
+                               "launcher.weight_sync; the actor's weights reach them after each update). 0: the "
+                               "engine lives in every training process (colocated).")
     bucket_size_mb: float = Field(256.0, gt=0, le=2**20, description="The actor's weights reach the rollout "
                                   "engine in buckets of at most this many MiB (a larger tensor travels alone).")
     sleep_rollout: bool = Field(True, description="A colocated rollout engine sleeps (frees what its device "
@@ -626,7 +627,11 @@ class ProcessLauncher(_PhaseSwitch):
             self.children.append(proc)
         threading.Thread(target=self._watch, name="rlx-worker-watchdog", daemon=True).start()
         self.store = store  # the rendezvous lives as long as this process serves it
-        self.host = _join(0, self.layout, store, options.timeout_s, device, threads, options.weight_sync)
+        try:
+            self.host = _join(0, self.layout, store, options.timeout_s, device, threads, options.weight_sync)
+        except UserError:  # e.g. no transport reaches the rollout pool: the workers wait in the rendezvous
+            self._kill_children()
+            raise
         if self.layout.rollout:
             where = ("on training rank 0's GPU" if self.layout.share_gpu else
                      "on GPUs of their own" if use_cuda else "on the CPU")
