@@ -70,13 +70,16 @@ class SlowEngine:
             self.got.append((name, tensor.dtype, tuple(tensor.shape), tensor.tolist()))
 
 
-def _process(rank: int, port: int, results: Any, delay: float) -> None:
+def _process(rank: int, port: int, results: Any, delay: float, device: str) -> None:
     import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every process on one GPU
 
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=60))
     group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 3, timedelta(seconds=60))
     if rank == 0:
-        rounds = [weight_sync.ipc_send(iter(payload()), group, LIMIT, "cpu") for _ in range(2)]
+        rounds = [weight_sync.ipc_send(iter(payload()), group, LIMIT, device) for _ in range(2)]
         results.put((rank, [(s.bytes, s.buckets) for s in rounds], None, None))
         return
     engine = SlowEngine(reads=None if rank == 1 else 3, delay=delay)
@@ -84,13 +87,14 @@ def _process(rank: int, port: int, results: Any, delay: float) -> None:
     results.put((rank, [(s.bytes, s.buckets) for s in rounds], engine.got, engine.shared))
 
 
-def _run_three(delay: float) -> dict[int, Any]:
+def _run_three(delay: float, device: str = "cpu") -> dict[int, Any]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_process, args=(r, store.port, results, delay), daemon=True) for r in range(3)]
+    procs = [ctx.Process(target=_process, args=(r, store.port, results, delay, device),
+                         daemon=True) for r in range(3)]
     for p in procs:
         p.start()
     try:
@@ -102,10 +106,12 @@ def _run_three(delay: float) -> dict[int, Any]:
                 p.kill()
 
 
-def test_shared_memory_sync_sends_every_tensor_bit_exact_to_every_rollout_rank(one_thread: Any) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_shared_memory_sync_sends_every_tensor_bit_exact_to_every_rollout_rank(one_thread: Any, device: str) -> None:
     """Two syncs in a row, the engines reading 5 ms per tensor. Rank 1 reads everything; rank 2 stops after
-    3 tensors, the rest is drained, so the sender finishes both syncs."""
-    got = _run_three(delay=0.005)
+    3 tensors, the rest is drained, so the sender finishes both syncs. On a GPU the three processes share
+    one GPU (CUDA IPC handles); on the CPU, shared-memory segments."""
+    got = _run_three(delay=0.005, device=device)
     expected = payload()
     total = sum(t.numel() * t.element_size() for _, t in expected)
     # 64-byte aligned buckets of at most 1024 bytes: the first 7 tensors, the big one alone, then 5 buckets
