@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 Mode = Literal["auto", "broadcast", "cuda_ipc"]
-Transport = Literal["in_process", "broadcast", "cuda_ipc"]
+Transport = Literal["broadcast", "cuda_ipc"]  # between processes; in process needs no choice
 
 _ALIGN = 64  # bytes: every tensor starts at a multiple, so a view of the buffer in any dtype is aligned
 
