@@ -8,7 +8,8 @@ updated weights). The tiny model has 2 query heads and 1 key/value head, so sp=2
 key/value heads. Tolerance: float32 on the CPU; the split attention adds the same numbers in other orders,
 so log-probs and values agree to 1e-5 absolute, losses and gradient norms to 1e-5 relative (1e-6 absolute
 for metrics that are 0 up to rounding) and weights to 1e-6 absolute (1e-5 for the key projection's bias,
-whose gradient is rounding noise only; as in tests/test_fsdp.py). Bad sizes and settings end with a message
+whose gradient is rounding noise only, as in tests/test_fsdp.py, and for micro-batches cut by a token
+budget, as in tests/test_dynamic_batch.py). Bad sizes and settings end with a message
 (exit status 2 from ``rlx train``).
 """
 
@@ -36,9 +37,17 @@ from rlx.protocols import RoleSpec
 
 SP = {"ulysses_sequence_parallel_size": 2}
 PLAIN_HEAD = {"log_prob_chunk_size": 0}
+# Token budgets of 8 per GPU: below the longest row (14 tokens), but a group of 2 GPUs may hold 16.
+DYNAMIC = {"use_dynamic_bsz": True,
+           "ppo_max_token_len": 8, "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
+           "log_prob_max_token_len": 8, "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu"}
 EPOCHS, MINI, SEED = 2, 4, 7
 ATOL, RTOL = 1e-6, 1e-5
 NOISE_ONLY, NOISE_ATOL = "k_proj.bias", 1e-5
+# Micro-batches cut by tokens group other rows into each attention call: AdamW's first steps turn the
+# rounding of near-zero gradients into weight differences of about 1e-6 (tests/test_dynamic_batch.py
+# allows 1e-5 for packed rows too).
+DYNAMIC_ATOL = 1e-5
 # The first epoch is on-policy: its ppo_kl is rounding noise around 0 (about 1e-7 either way).
 METRIC_ATOL = 1e-6
 
@@ -110,8 +119,11 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
         for name, spec, engine in (
                 ("actor", actor_spec(path, **SP), "fsdp2"),
                 ("checkpointed", dataclasses.replace(actor_spec(path, **SP), gradient_checkpointing=True), "fsdp2"),
-                ("fsdp1", actor_spec(path, **SP), "fsdp")):
+                ("fsdp1", actor_spec(path, **SP), "fsdp"),
+                ("dynamic", actor_spec(path, **SP, **DYNAMIC), "fsdp2")):
             actor = fsdp_worker(spec, engine)
+            if name == "dynamic":
+                res["dynamic_log_probs"] = dict(actor.compute_log_probs(mine, with_entropy=True).tensors)
             res[f"{name}_metrics"] = actor.update(mbs, grpo_loss(loss_agg_mode="seq-mean-token-sum"))
             res[f"{name}_weights"] = state(actor.named_weights())
             del actor
@@ -184,11 +196,12 @@ def sp_ranks(reference: dict[str, Any], tiny_model_path: str, tmp_path_factory: 
     return spawn(_rank_main, 2, tiny_model_path, reference["batch"], tmp_path_factory.mktemp("ulysses"))
 
 
-def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+                   tolerance: float = ATOL) -> None:
     assert sorted(got) == sorted(want), what
     for k, v in want.items():
-        atol = NOISE_ATOL if k.endswith(NOISE_ONLY) else ATOL
-        torch.testing.assert_close(got[k], v, atol=atol, rtol=0, msg=f"{what}: {k}")
+        atol = max(NOISE_ATOL, tolerance) if k.endswith(NOISE_ONLY) else tolerance
+        torch.testing.assert_close(got[k], v, atol=atol, rtol=0, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
 def assert_metrics(got: list[dict[str, float]], want: list[dict[str, float]], what: str) -> None:
@@ -206,9 +219,9 @@ def test_a_group_is_one_data_parallel_rank_and_its_first_rank_returns_the_result
 def test_log_probs_entropy_and_values_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any]) -> None:
     mask = reference["batch"]["response_mask"].bool()
     for r, res in enumerate(sp_ranks):
-        for head in ("log_probs", "plain_log_probs"):
+        for head in ("log_probs", "plain_log_probs", "dynamic_log_probs"):
             for key in ("log_probs", "entropy"):
-                got, want = res[head][key], reference[head][key]
+                got, want = res[head][key], reference[head.replace("dynamic_", "")][key]
                 assert got.shape == want.shape
                 torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0, msg=f"rank {r} {head} {key}")
                 assert not got[~mask].any()
@@ -218,13 +231,15 @@ def test_log_probs_entropy_and_values_equal_one_process(sp_ranks: list[Any], ref
 def test_updates_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any]) -> None:
     """4 optimizer steps (2 epochs x 2 mini-batches, micro-batches of 2 rows): the same losses, gradient
     norms and weights as one process, with fsdp2, fsdp2 with gradient checkpointing (attention recomputed
-    in the backward pass) and fsdp; and the critic's update."""
+    in the backward pass), fsdp, and fsdp2 with micro-batches cut by a token budget; and the critic's
+    update."""
     want = reference
     assert all(m["grad_norm"] > 0 for m in want["actor_metrics"])
     for r, res in enumerate(sp_ranks):
-        for name in ("actor", "checkpointed", "fsdp1"):
+        for name in ("actor", "checkpointed", "fsdp1", "dynamic"):
             assert_metrics(res[f"{name}_metrics"], want["actor_metrics"], f"{name}, rank {r}")
-            assert_weights(res[f"{name}_weights"], want["actor_weights"], f"{name}, rank {r}")
+            assert_weights(res[f"{name}_weights"], want["actor_weights"], f"{name}, rank {r}",
+                           DYNAMIC_ATOL if name == "dynamic" else ATOL)
         assert_metrics(res["critic_metrics"], want["critic_metrics"], f"critic, rank {r}")
         assert_weights(res["critic_weights"], want["critic_weights"], f"critic, rank {r}")
 
