@@ -314,12 +314,13 @@ class FSDPWorker(TorchWorker):
             return
         option = option_name(self.spec.role)
         if not self.packed:
-            padding = "critic" if self.spec.role == "critic" else "actor"
-            raise UserError(f"{option}={self.sp_size} needs packed sequences, but "
-                            + (f"{padding}.use_remove_padding is false." if not self.spec.extra.get(
-                                "use_remove_padding", True) else f"the {self.spec.role} model cannot pack them "
-                               "(its attention does not go through transformers' attention interface)."),
-                            f"Set {padding}.use_remove_padding=true, or {option}=1.")
+            padding = f"{'critic' if self.spec.role == 'critic' else 'actor'}.use_remove_padding"
+            if not self.spec.extra.get("use_remove_padding", True):
+                raise UserError(f"{option}={self.sp_size} needs packed sequences, but {padding} is false.",
+                                f"Set {padding}=true, or {option}=1.")
+            raise UserError(f"{option}={self.sp_size} needs packed sequences, but the {self.spec.role} model cannot "
+                            "pack them (its attention does not go through transformers' attention interface).",
+                            f"Set {option}=1 for this model.")
         use_ulysses_attention(hf_model, self.spec.role)
         # A token budget is per GPU, and a sequence-parallel group of sp GPUs holds sp times as many (verl's
         # rule), so a micro-batch of a group may hold that many.

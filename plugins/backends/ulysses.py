@@ -52,8 +52,7 @@ def config_problems(cfg: Any) -> list[str]:
         option = f"{role}.ulysses_sequence_parallel_size={size}"
         if cfg.backend.name == "torch":
             problems.append(f"{option}: the torch backend has no sequence parallelism (every process holds whole "
-                            "sequences). "
-                            f"Use --backend fsdp2 (or fsdp) with a multiple of {size} processes, or "
+                            f"sequences). Use --backend fsdp2 (or fsdp) with a multiple of {size} processes, or "
                             f"{role}.ulysses_sequence_parallel_size=1.")
         if not section.use_remove_padding:
             problems.append(f"{option}: Ulysses cuts packed sequences, but {role}.use_remove_padding is false. Set "
@@ -64,8 +63,8 @@ def config_problems(cfg: Any) -> list[str]:
 def ulysses_size(spec_extra: dict[str, Any], role: str) -> int:
     size = int(spec_extra.get("ulysses_sequence_parallel_size", 1))
     if size < 1:
-        raise UserError(f"{role}.ulysses_sequence_parallel_size={size}: it must be at least 1.",
-                        f"Set {role}.ulysses_sequence_parallel_size to 1 (off) or to a divisor of the processes.")
+        raise UserError(f"{option_name(role)}={size}: it must be at least 1.",
+                        f"Set {option_name(role)} to 1 (off) or to a divisor of the number of processes.")
     return size
 
 
