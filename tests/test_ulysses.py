@@ -106,6 +106,11 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
         plain = fsdp_worker(ref_spec(path, **SP, **PLAIN_HEAD))
         res["plain_log_probs"] = dict(plain.compute_log_probs(mine, with_entropy=True).tensors)
         del plain
+        # One row per pass: rows 1 and 4 (9 prompt tokens, 1 and 2 response tokens) put every response
+        # position in rank 1's half, so rank 0 contributes nothing to the gather.
+        single = fsdp_worker(dataclasses.replace(ref_spec(path, **SP), micro_batch_size=1))
+        res["single_row_log_probs"] = dict(single.compute_log_probs(mine, with_entropy=True).tensors)
+        del single
         critic = fsdp_worker(critic_spec(path, **SP))
         res["values"] = critic.compute_values(mine)["values"]
         mbs = shard(minibatches(batch), info.dp_size)[info.dp_rank]
@@ -120,7 +125,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
                 ("actor", actor_spec(path, **SP), "fsdp2"),
                 ("checkpointed", dataclasses.replace(actor_spec(path, **SP), gradient_checkpointing=True), "fsdp2"),
                 ("fsdp1", actor_spec(path, **SP), "fsdp"),
-                ("dynamic", actor_spec(path, **SP, **DYNAMIC), "fsdp2")):
+                ("dynamic", actor_spec(path, **SP, **DYNAMIC), "fsdp2"),
+                ("single_row", dataclasses.replace(actor_spec(path, **SP), micro_batch_size=1), "fsdp2")):
             actor = fsdp_worker(spec, engine)
             if name == "dynamic":
                 res["dynamic_log_probs"] = dict(actor.compute_log_probs(mine, with_entropy=True).tensors)
@@ -188,6 +194,9 @@ def reference(tiny_model_path: str) -> dict[str, Any]:
     actor = TorchWorker(actor_spec(path), TorchBackendOptions(), "cpu")
     res["actor_metrics"] = actor.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"))
     res["actor_weights"] = state(actor.model.state_dict().items())
+    single = TorchWorker(dataclasses.replace(actor_spec(path), micro_batch_size=1), TorchBackendOptions(), "cpu")
+    res["single_row_metrics"] = single.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+    res["single_row_weights"] = state(single.model.state_dict().items())
     return res
 
 
@@ -219,9 +228,9 @@ def test_a_group_is_one_data_parallel_rank_and_its_first_rank_returns_the_result
 def test_log_probs_entropy_and_values_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any]) -> None:
     mask = reference["batch"]["response_mask"].bool()
     for r, res in enumerate(sp_ranks):
-        for head in ("log_probs", "plain_log_probs", "dynamic_log_probs"):
+        for head in ("log_probs", "plain_log_probs", "dynamic_log_probs", "single_row_log_probs"):
             for key in ("log_probs", "entropy"):
-                got, want = res[head][key], reference[head.replace("dynamic_", "")][key]
+                got, want = res[head][key], reference[head.replace("dynamic_", "").replace("single_row_", "")][key]
                 assert got.shape == want.shape
                 torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0, msg=f"rank {r} {head} {key}")
                 assert not got[~mask].any()
@@ -231,8 +240,8 @@ def test_log_probs_entropy_and_values_equal_one_process(sp_ranks: list[Any], ref
 def test_updates_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any]) -> None:
     """4 optimizer steps (2 epochs x 2 mini-batches, micro-batches of 2 rows): the same losses, gradient
     norms and weights as one process, with fsdp2, fsdp2 with gradient checkpointing (attention recomputed
-    in the backward pass), fsdp, and fsdp2 with micro-batches cut by a token budget; and the critic's
-    update."""
+    in the backward pass), fsdp, and fsdp2 with micro-batches cut by a token budget or of one row (some
+    with no response position on rank 0); and the critic's update."""
     want = reference
     assert all(m["grad_norm"] > 0 for m in want["actor_metrics"])
     for r, res in enumerate(sp_ranks):
@@ -240,6 +249,8 @@ def test_updates_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any
             assert_metrics(res[f"{name}_metrics"], want["actor_metrics"], f"{name}, rank {r}")
             assert_weights(res[f"{name}_weights"], want["actor_weights"], f"{name}, rank {r}",
                            DYNAMIC_ATOL if name == "dynamic" else ATOL)
+        assert_metrics(res["single_row_metrics"], want["single_row_metrics"], f"one row per pass, rank {r}")
+        assert_weights(res["single_row_weights"], want["single_row_weights"], f"one row per pass, rank {r}")
         assert_metrics(res["critic_metrics"], want["critic_metrics"], f"critic, rank {r}")
         assert_weights(res["critic_weights"], want["critic_weights"], f"critic, rank {r}")
 
