@@ -121,6 +121,12 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
             fsdp_worker(actor_spec(path, **SP, use_remove_padding=False))
         except UserError as exc:
             res["unpacked_error"] = str(exc)
+        from rlx.plugins.backends.fsdp import FSDP2Options, FSDPWorker
+
+        try:
+            FSDPWorker(actor_spec(path, **SP), FSDP2Options(attn_implementation="eager"), "cpu", "fsdp2")
+        except UserError as exc:
+            res["eager_error"] = str(exc)
         for name, spec, engine in (
                 ("actor", actor_spec(path, **SP), "fsdp2"),
                 ("checkpointed", dataclasses.replace(actor_spec(path, **SP), gradient_checkpointing=True), "fsdp2"),
@@ -271,10 +277,12 @@ def test_two_data_parallel_groups_of_two_equal_one_process(reference: dict[str, 
         assert_weights(res["actor_weights"], reference["actor_weights"], f"actor, rank {r} of 4")
 
 
-def test_packing_off_is_refused(sp_ranks: list[Any]) -> None:
+def test_packing_off_and_other_kernels_are_refused(sp_ranks: list[Any]) -> None:
     for res in sp_ranks:
         assert "actor.ulysses_sequence_parallel_size=2 needs packed sequences" in res["unpacked_error"]
         assert "actor.use_remove_padding=true" in res["unpacked_error"]
+        assert "needs packed sequences on the sdpa kernel, but the actor model runs attention 'eager'" in \
+            res["eager_error"]
 
 
 def test_sizes_that_do_not_divide_are_refused() -> None:
