@@ -84,7 +84,9 @@ def export_command(
     _quiet_libraries()
     # The run's own config, on the CPU in this one process: the backend rebuilds the role as it trained it.
     resolved = load_config(_pm(), config_file=[str(run_config_of(ckpt))],
-                           overrides=["trainer.device=cpu", "launcher.name=local", "launcher.nproc=1"],
+                           overrides=["trainer.device=cpu", "launcher.name=local", "launcher.nproc=1",
+                                      "actor.ulysses_sequence_parallel_size=1",
+                                      "critic.ulysses_sequence_parallel_size=1"],
                            check_files=False)
     cfg = resolved.config
     if adapter_only and cfg.model.lora_rank == 0:

@@ -237,6 +237,9 @@ def training_problems(cfg: RLXConfig) -> list[str]:
                 problems.append(f"{role}.model_dtype={getattr(cfg, role).model_dtype}: the {backend} backend keeps "
                                 f"float32 master weights only so far. Use backend.name=torch, or "
                                 f"{role}.model_dtype=float32.")
+    from rlx.plugins.backends.ulysses import config_problems as ulysses_problems
+
+    problems.extend(ulysses_problems(cfg))
     return problems
 
 

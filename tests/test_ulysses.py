@@ -311,13 +311,14 @@ def test_config_problems_name_the_backend_and_packing() -> None:
     assert config_problems(RLXConfig(backend={"name": "torch"})) == []
 
 
-@pytest.mark.parametrize(("size", "message"), [
-    (2, "actor.ulysses_sequence_parallel_size=2 does not divide the 1 training process:"),
-    (4, "actor.ulysses_sequence_parallel_size=4 does not divide the model's 2 attention heads"),
+@pytest.mark.parametrize(("backend", "size", "message"), [
+    ("fsdp2", 2, "actor.ulysses_sequence_parallel_size=2 does not divide the 1 training process:"),
+    ("fsdp2", 4, "actor.ulysses_sequence_parallel_size=4 does not divide the model's 2 attention heads"),
+    ("torch", 2, "actor.ulysses_sequence_parallel_size=2: the torch backend has no sequence parallelism"),
 ])
-def test_rlx_train_stops_with_a_message(tmp_path: Path, size: int, message: str) -> None:
+def test_rlx_train_stops_with_a_message(tmp_path: Path, backend: str, size: int, message: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--backend", "fsdp2",
+        [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--backend", backend,
          f"actor.ulysses_sequence_parallel_size={size}", "trainer.total_steps=1", "trainer.loggers=[jsonl]",
          f"trainer.output_dir={tmp_path / 'run'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
