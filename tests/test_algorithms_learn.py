@@ -11,13 +11,13 @@ none against a wrong answer the greedy reply shares) and keeps its 120. The thre
 5-seed measurements in docs/benchmarks.md (`benchmarks/builtin_learning.py`), taken on this 2-core
 machine and on a second machine with another CPU and torch version, where the same seeds follow other
 floating-point trajectories. At step 80 the lowest accuracy measured was 0.61 (grpo), 0.69 (rloo), 0.91
-(reinforce_plus_plus), 0.86 (dapo) and 0.88 (ppo), the lowest reward rise 0.37; ReMax (verl's unscaled
-advantages, its default) at step 120: 0.46 (seed 1 on this machine; 0.97 on the other) and 0.28. The
-thresholds sit well below all of these and far above chance,
-so another CPU's rounding does not decide the outcome, while a policy that does not learn (accuracy
-about 0.1) fails (ReMax with lr 1e-12: accuracy 0.02 at step 120). The runs go two at a time, one torch thread each.
-A weaker learner can still pass: with the KL loss's gradient removed grpo reached 0.43 at step 80;
-the loss terms' gradients are for the fast tests of the algorithm math to check.
+(reinforce_plus_plus), 0.86 (dapo) and 0.88 (ppo), the lowest reward rise 0.37; ReMax at step 120 (the
+preset's KL loss alone, no KL in the reward): 0.82 on seeds 1-5 on both machines, 0.59 on the one seed of
+ten that fell short on the second (seed 6), the lowest reward rise 0.32. The thresholds sit well below all
+of these and far above chance, so another CPU's rounding does not decide the outcome, while a policy that
+does not learn (accuracy about 0.1) fails (ReMax with lr 1e-12: accuracy 0.02 at step 120). The runs go two
+at a time, one torch thread each. A weaker learner can still pass: with the KL loss's gradient removed grpo
+reached 0.43 at step 80; the loss terms' gradients are for the fast tests of the algorithm math to check.
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ THRESHOLDS = {
     "reinforce_plus_plus": (80, 0.4, 0.2),
     "dapo": (80, 0.4, 0.2),
     "ppo": (80, 0.4, 0.2),
-    "remax": (120, 0.25, 0.12),
+    "remax": (120, 0.4, 0.2),
 }
 # Metrics each algorithm must report besides the common ones.
+# (The preset turns the reward's KL penalty off for every algorithm; tests/test_algorithms_trainer.py runs it.)
 EXTRA_METRICS = {
-    "rloo": ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_coef"],
-    "reinforce_plus_plus": ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_coef"],
-    "remax": ["actor/kl_loss", "actor/reward_kl_penalty"],
+    "rloo": ["actor/kl_loss", "batch/equal_score_groups"],
+    "reinforce_plus_plus": ["actor/kl_loss"],
+    "remax": ["actor/kl_loss"],
     "dapo": ["actor/kl_loss", "rollout/all_reward/mean"],
     "ppo": ["actor/kl_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var",
             "critic/values/mean", "critic/grad_norm"],

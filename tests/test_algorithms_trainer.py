@@ -149,8 +149,10 @@ def test_dynamic_sampling_limit(tmp_path):
 
 
 def test_remax_greedy_baseline(tmp_path):
-    """remax: one greedy response per prompt, scored; its score is every sample's baseline."""
-    t = trainer(tmp_path, "algorithm.name=remax", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4")
+    """remax: one greedy response per prompt, scored; its score is every sample's baseline. (The tiny preset
+    turns the reward's KL penalty off; remax's own default, on, is what this run checks.)"""
+    t = trainer(tmp_path, "algorithm.name=remax", "algorithm.use_kl_in_reward=true", "data.train_batch_size=4",
+                "actor.ppo_mini_batch_size=4")
     assert t.greedy_sampling.greedy and t.greedy_sampling.n == 1
     examples = t._next_examples()
     batch = t._generate_scored(examples, Timer())
