@@ -347,7 +347,7 @@ def main() -> None:
                     help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
                     "and dynamic (the plain decode loop).")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
     import torch
     import transformers
 

@@ -212,6 +212,9 @@ def config_overrides(options: MegatronOptions, dtype: torch.dtype, on_cpu: bool)
         "calculate_per_token_loss": True,
         "variable_seq_lengths": True,
         "gradient_accumulation_fusion": False,
+        # megatron-core's fused masked softmax is a compiled extension its wheel does not ship (Megatron-LM
+        # builds it); without it the attention's softmax is torch's.
+        "masked_softmax_fusion": importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         # Initialisation also marks each parameter's tensor-parallel split (``tensor_model_parallel``,
         # ``partition_dim``), which the gradient norm, the checkpoints and the weight export read.
         "use_cpu_initialization": on_cpu, "perform_initialization": True,
