@@ -214,10 +214,6 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     return Resolved(cfg, options)
 
 
-# Backends that build the model their own way and do not read model.lora_* / *.model_dtype yet.
-_NO_LORA_OR_BF16_BACKENDS = ("fsdp", "fsdp2")
-
-
 def training_problems(cfg: RLXConfig) -> list[str]:
     """LoRA and the trained weights' dtype: what the environment and the chosen backend must offer."""
     from rlx.lora import INSTALL_HINT, peft_missing
@@ -228,15 +224,11 @@ def training_problems(cfg: RLXConfig) -> list[str]:
         if peft_missing():
             problems.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA needs the peft package, which is not "
                             f"installed. {INSTALL_HINT}")
-        if backend in _NO_LORA_OR_BF16_BACKENDS:
-            problems.append(f"model.lora_rank={cfg.model.lora_rank}: the {backend} backend does not build LoRA "
-                            "adapters yet. Use backend.name=torch, or model.lora_rank=0.")
-    if backend in _NO_LORA_OR_BF16_BACKENDS:
-        for role in ("actor", "critic"):
-            if getattr(cfg, role).model_dtype != "float32":
-                problems.append(f"{role}.model_dtype={getattr(cfg, role).model_dtype}: the {backend} backend keeps "
-                                f"float32 master weights only so far. Use backend.name=torch, or "
-                                f"{role}.model_dtype=float32.")
+        if backend == "fsdp":
+            from rlx.plugins.backends.fsdp import LORA_FSDP1
+
+            problems.append(f"model.lora_rank={cfg.model.lora_rank}: {LORA_FSDP1} Use backend.name=fsdp2 (or "
+                            "torch), or model.lora_rank=0.")
     from rlx.plugins.backends.ulysses import config_problems as ulysses_problems
 
     problems.extend(ulysses_problems(cfg))

@@ -80,10 +80,41 @@ def test_bad_value_is_a_config_error(value):
     assert "actor.model_dtype: must be one of 'float32' or 'bfloat16'" in str(exc.value)
 
 
-def test_fsdp_backends_refuse_bf16_weights_until_they_build_them():
+@pytest.fixture
+def group():
+    """The one-rank group an FSDP worker makes for itself in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp"])
+def test_fsdp_backends_train_bf16_weights(model_path, group, engine):
+    """fsdp2 and fsdp shard bf16 weights and keep bf16 AdamW moments; a step changes the weights. The
+    configuration is accepted for both."""
     from rlx.cli.main import _pm
+    from rlx.plugins.backends.fsdp import FSDP2Options, FSDPOptions, FSDPWorker
     from rlx.validate import load_config
 
-    with pytest.raises(ConfigError) as exc:
-        load_config(_pm(), preset="tiny", overrides=["backend.name=fsdp2", "critic.model_dtype=bfloat16"])
-    assert "critic.model_dtype=bfloat16: the fsdp2 backend keeps float32 master weights only" in str(exc.value)
+    spec = RoleSpec(role="actor", model_path=model_path, trainable=True, lr=1e-2, micro_batch_size=8,
+                    extra={"use_remove_padding": False, "model_dtype": "bfloat16"})
+    worker = FSDPWorker(spec, FSDP2Options() if engine == "fsdp2" else FSDPOptions(), "cpu", engine)
+    assert dtypes(worker) == {torch.bfloat16}
+    before = {n: local(p).detach().clone() for n, p in worker.model.named_parameters()}
+    metrics = worker.train_step(make_batch(), grpo_loss())
+    assert metrics["skipped_step"] == 0.0
+    assert moment_dtypes(worker) == {torch.bfloat16}
+    changed = [n for n, p in worker.model.named_parameters() if not torch.equal(local(p).detach(), before[n])]
+    assert len(changed) > len(before) // 2, changed
+    assert worker.compute_log_probs(make_batch())["log_probs"].dtype == torch.float32
+    assert {t.dtype for _, t in worker.named_weights()} == {torch.bfloat16}
+    config = load_config(_pm(), preset="tiny", overrides=[f"backend.name={engine}", "actor.model_dtype=bfloat16",
+                                                          "critic.model_dtype=bfloat16"])
+    assert config.config.critic.model_dtype == "bfloat16"

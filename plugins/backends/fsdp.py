@@ -67,6 +67,7 @@ from rlx.plugins.backends.torch_local import (
     resolve_dtype,
     restore_scheduler,
     settings_of,
+    trained_dtype,
     with_role_settings,
 )
 from rlx.plugins.backends.ulysses import (
@@ -85,6 +86,10 @@ if TYPE_CHECKING:
     from rlx.batch import Batch
 
 DCP_DIR = "dcp"
+# Why LoRA stays refused under FSDP1 (core/validate.py says the same before a run starts).
+LORA_FSDP1 = ("LoRA is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 flattens each decoder "
+              "layer's parameters into one tensor of one dtype, so the frozen base (model.dtype) and its "
+              "trainable adapters (float32 master weights) cannot share a layer.")
 
 
 class FSDPCommonOptions(BaseModel):
@@ -268,10 +273,17 @@ class FSDPWorker(TorchWorker):
         # Parameters are sharded over every rank (as verl does), sequence-parallel groups included.
         self.mesh = init_device_mesh(torch.device(self.device).type, (world,))
         self._set_up_groups(world)
-        self.compute_dtype = getattr(torch, resolve_dtype(spec.dtype, self.device))
-        # Trainable roles keep float32 master weights and compute in model.dtype through FSDP's mixed
-        # precision; a frozen role (the reference) is stored in model.dtype.
-        self.master_dtype = torch.float32 if spec.trainable else self.compute_dtype
+        self.lora = spec.extra.get("lora") or None
+        if self.lora is not None and engine == "fsdp":
+            raise UserError(LORA_FSDP1, "Use backend.name=fsdp2 (or torch) for LoRA, or model.lora_rank=0.")
+        # model_dtype=float32 (the default): a trainable role keeps float32 master weights and computes in
+        # model.dtype through FSDP's mixed precision. model_dtype=bfloat16: weights, gradients and AdamW
+        # moments in bf16. A frozen role (the reference), and the frozen base under LoRA, is stored in the
+        # compute dtype; LoRA adapters are held in the trained dtype.
+        self.adapter_dtype = trained_dtype(spec)
+        self.compute_dtype = self.adapter_dtype if self.adapter_dtype == torch.bfloat16 else getattr(
+            torch, resolve_dtype(spec.dtype, self.device))
+        self.master_dtype = self.adapter_dtype if spec.trainable and self.lora is None else self.compute_dtype
         self.autocast = False  # FSDP casts parameters itself; no autocast around the forward passes
         torch.manual_seed(spec.seed)
         # FSDP1 divides the reduced gradients by the number of ranks, but a loss is already divided by the
@@ -279,7 +291,7 @@ class FSDPWorker(TorchWorker):
         self.loss_scale = float(world) if engine == "fsdp" else 1.0
         if engine == "fsdp2":
             self.model = self._build_fsdp2()
-            self._set_up_forward(self.model)
+            self._set_up_forward(self._plain(self.model))
         else:
             self.model = self._build_fsdp1()
             self._set_up_forward(self.model.module)  # the Hugging Face model inside the FSDP1 wrapper
@@ -387,8 +399,20 @@ class FSDPWorker(TorchWorker):
             # non-reentrant checkpointing: the re-entrant form does not work with FSDP's hooks
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    def _wrap(self, model: Any) -> Any:
+        """The Hugging Face model with fresh LoRA adapters (frozen base) when LoRA is on, else itself."""
+        if self.lora is None:
+            return model
+        from rlx import lora
+
+        return lora.apply(model, self.lora, value_head=self.spec.value_head, adapter_dtype=self.adapter_dtype)
+
+    def _plain(self, model: Any) -> Any:
+        """The Hugging Face model inside peft's wrapper (``model`` itself without LoRA)."""
+        return model.get_base_model() if self.lora is not None else model
+
     def _layer_classes(self, model: Any) -> set[type]:
-        names = set(getattr(model, "_no_split_modules", None) or [])
+        names = set(getattr(self._plain(model), "_no_split_modules", None) or [])
         classes = {type(m) for m in model.modules() if type(m).__name__ in names}
         if not classes:
             raise UserError(f"Cannot shard {self.spec.model_path!r} with {self.engine}: its model class "
@@ -416,7 +440,9 @@ class FSDPWorker(TorchWorker):
                             "Upgrade torch, or use --backend fsdp.")
         model = self._empty_model()
         self._prepare(model)
-        full = self._load_full() if self.rank == 0 else None
+        with torch.device("meta"):  # the adapters too: rank 0's initial values reach every rank below
+            model = self._wrap(model)
+        full = self._wrap(self._load_full()) if self.rank == 0 else None
         mp = MixedPrecisionPolicy()
         if self.spec.trainable and self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
@@ -529,8 +555,14 @@ class FSDPWorker(TorchWorker):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with Hugging Face names, one at a time, on every rank (all ranks must iterate:
         each tensor is an all-gather of its shards)."""
-        for name, tensor in self._sharded_state().items():
-            yield name, self._full(tensor).detach()
+        gathered = ((name, self._full(tensor).detach()) for name, tensor in self._sharded_state().items())
+        if self.lora is None:
+            yield from gathered
+            return
+        from rlx.lora import merge_stream, scale_of
+
+        # base + adapter merged tensor by tensor under the base's names; the sharded model stays unmerged
+        yield from merge_stream(gathered, scale_of(self.lora))
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`named_weights` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
@@ -548,12 +580,31 @@ class FSDPWorker(TorchWorker):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds: under LoRA only the trainable tensors of the model (the base is re-loaded
+        from model.path on resume), and the optimizer state of a trainable role."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.optimizer is None:
-            return {"model": self._sharded_state()}
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
+            model, optim = self._sharded_state(), None
+        else:
+            model, optim = get_state_dict(self.model, self.optimizer)
+        if self.lora is not None:
+            from rlx.lora import is_adapter
+
+            model = {name: tensor for name, tensor in model.items() if is_adapter(name)}
+        return {"model": model} if optim is None else {"model": model, "optim": optim}
+
+    def _check_lora_matches(self, folder: str, path: str) -> None:
+        """A checkpoint written with LoRA resumes only with LoRA, and one without only without."""
+        from rlx.lora import is_adapter
+
+        metadata = _safe_reader(folder).read_metadata()
+        written = any(is_adapter(key) for key in metadata.state_dict_metadata if key.startswith("model."))
+        if written != (self.lora is not None):
+            how = "with LoRA adapters" if written else "without LoRA (all weights)"
+            raise UserError(f"{path} was written {how}, but this run has model.lora_rank="
+                            f"{self.lora['rank'] if self.lora else 0}.",
+                            "Resume (or export) with the model.lora_* settings the run was started with.")
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank writes its shards of model and optimizer (DCP, into ``path/dcp``) and its own
@@ -575,7 +626,7 @@ class FSDPWorker(TorchWorker):
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         from rlx.checkpoint import torch_load
 
@@ -584,6 +635,7 @@ class FSDPWorker(TorchWorker):
             raise UserError(f"{folder} is missing: {path} was not written by the {self.engine} backend "
                             "(or is damaged).", "Resume with the backend that wrote the checkpoint, or "
                             "start a new run from the exported model.")
+        self._check_lora_matches(folder, path)
         state = self._state()
         try:
             dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner())
@@ -599,11 +651,13 @@ class FSDPWorker(TorchWorker):
             raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {last[0].strip()}",
                             "The checkpoint is damaged or belongs to another model or optimizer; resume "
                             "from another checkpoint, with the model the run was started with.") from None
+        # under LoRA the state holds the adapters alone: the base keeps the weights loaded from model.path
+        options = StateDictOptions(strict=self.lora is None)
         if self.optimizer is None:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=options)
         own = os.path.join(path, f"rank{self.rank}.pt")
         local = torch_load(own if os.path.exists(own) else os.path.join(path, "rank0.pt"))
         if self.scheduler is not None:
@@ -633,6 +687,31 @@ class FSDPWorker(TorchWorker):
             if self.generation_config is not None:
                 shell.generation_config = self.generation_config
             shell.save_pretrained(path, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        del state
+        dist.barrier()
+
+
+    def save_adapter(self, path: str, tokenizer: Any = None) -> None:
+        """The LoRA adapter as a peft folder (adapter_config.json, adapter_model.safetensors) that
+        ``PeftModel.from_pretrained(base, path)`` loads: every rank takes part in gathering the trainable
+        tensors, rank 0 writes them."""
+        import torch.distributed as dist
+
+        from rlx.lora import is_adapter
+
+        if self.lora is None:
+            raise UserError(f"The {self.spec.role} has no LoRA adapter (the run trained every weight).",
+                            "Export the merged model instead (without --adapter-only).")
+        state = {}
+        for name, tensor in self._sharded_state().items():
+            if is_adapter(name):
+                full = self._full(tensor).detach()
+                if self.rank == 0:
+                    state[name] = full.to("cpu", copy=True)
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
         del state
