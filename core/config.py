@@ -478,14 +478,25 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {k: v for k, v in data.items() if v is not None}
 
 
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+# Presets of the reward-model trainer (`rlx rm train`) are named rm_*; the others are `rlx train`'s.
+PRESET_COMMANDS = {"train": "rlx train", "rm": "rlx rm train"}
 
 
-def load_preset(name: str) -> dict[str, Any]:
+def _preset_family(stem: str) -> str:
+    return "rm" if stem.startswith("rm_") else "train"
+
+
+def preset_names(family: str = "train") -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if _preset_family(p.stem) == family)
+
+
+def load_preset(name: str, family: str = "train") -> dict[str, Any]:
     path = PRESET_DIR / f"{name}.yaml"
+    names = preset_names(family)
+    if path.is_file() and _preset_family(name) != family:
+        raise ConfigError([f"--preset {name} is a preset of `{PRESET_COMMANDS[_preset_family(name)]}`, not of "
+                           f"`{PRESET_COMMANDS[family]}`. Presets of `{PRESET_COMMANDS[family]}`: {', '.join(names)}"])
     if not path.is_file():
-        names = preset_names()
         raise ConfigError([f"--preset {name}: no such preset.{did_you_mean(name, names)} "
                            f"Presets: {', '.join(names)}"])
     return yaml.safe_load(path.read_text()) or {}
@@ -497,14 +508,16 @@ def build_raw(
     config_file: str | Sequence[str] | None = None,
     shortcuts: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    preset_family: str = "train",
 ) -> dict[str, Any]:
     """Merge every source into one plain dict (not yet validated).
 
     ``config_file`` may be several files: they are merged in order, a later file's keys over an earlier's.
+    ``preset_family`` is the command whose presets ``preset`` names (``train`` or ``rm``).
     """
     raw: dict[str, Any] = {}
     if preset:
-        raw = deep_merge(raw, load_preset(preset))
+        raw = deep_merge(raw, load_preset(preset, preset_family))
     files = [config_file] if isinstance(config_file, str) else list(config_file or [])
     problems: list[str] = []
     for path in files:

@@ -124,7 +124,7 @@ def load_rm_config(pm: Any, *, preset: str | None = None, config_file: str | Seq
     from rlx.validate import _component_options
 
     raw = build_raw(preset=preset, config_file=config_file, shortcuts={"model": model, "backend": backend},
-                    overrides=overrides)
+                    overrides=overrides, preset_family="rm")
     problems: list[str] = []
     cfg: RMConfig | None = None
     try:

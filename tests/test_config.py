@@ -36,6 +36,20 @@ def test_preset_beats_defaults():
     assert cfg.data.max_response_length == 4
 
 
+def test_a_preset_of_the_other_trainer_is_named_as_such():
+    """rm_* presets belong to `rlx rm train`; the others to `rlx train`: each command says so for the other's."""
+    from rlx.config import preset_names
+
+    assert "tiny" in preset_names() and "rm_tiny" not in preset_names()
+    assert preset_names("rm") == ["rm_tiny"]
+    with pytest.raises(ConfigError, match=r"rm_tiny is a preset of `rlx rm train`, not of `rlx train`\. "
+                                          r"Presets of `rlx train`: tiny"):
+        build_raw(preset="rm_tiny")
+    with pytest.raises(ConfigError, match=r"tiny is a preset of `rlx train`, not of `rlx rm train`"):
+        build_raw(preset="tiny", preset_family="rm")
+    assert build_raw(preset="rm_tiny", preset_family="rm")["rm"]
+
+
 def test_file_beats_preset(tmp_path):
     f = write(tmp_path / "c.yaml", {"trainer": {"total_steps": 5}, "rollout": {"n": 2}})
     cfg = validate(build_raw(preset="tiny", config_file=f))
