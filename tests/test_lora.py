@@ -242,8 +242,9 @@ def test_missing_peft_and_fsdp_are_config_errors(monkeypatch):
     from rlx.validate import load_config
 
     with pytest.raises(ConfigError) as exc:
-        load_config(_pm(), preset="tiny", overrides=["model.lora_rank=8", "backend.name=fsdp2"])
-    assert "the fsdp2 backend does not build LoRA adapters yet" in str(exc.value)
+        load_config(_pm(), preset="tiny", overrides=["model.lora_rank=8", "backend.name=fsdp"])
+    assert "not in fsdp (FSDP1)" in str(exc.value)
+    load_config(_pm(), preset="tiny", overrides=["model.lora_rank=8", "backend.name=fsdp2"])
     load_config(_pm(), preset="tiny", overrides=["model.lora_rank=8"])
     monkeypatch.setattr(lora_module, "peft_missing", lambda: True)
     with pytest.raises(ConfigError) as exc:
