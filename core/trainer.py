@@ -286,9 +286,21 @@ class Trainer:
         for key, seconds in self.launcher.phase(name).items():
             timer.times[key] = timer.times.get(key, 0.0) + seconds
 
+    def _wake_rollout(self) -> dict[str, float]:
+        """Switch to the generate phase before generating. An engine woken up here slept through a step
+        without an actor update (critic warm-up): it takes the actor's weights again, as after every update,
+        since sleeping may have discarded them (``hf``'s ``free_on_sleep=discard``)."""
+        times = dict(self.launcher.phase("generate"))
+        if "timing/wake_up" in times:
+            start = time.perf_counter()
+            self.launcher.transfer_weights(self.actor, self.rollout)
+            times["timing/weight_sync"] = time.perf_counter() - start
+        return times
+
     def _generate_scored(self, examples: list[Any], timer: Timer, first_group: int = 0) -> Batch:
         """n responses per prompt, scored; ``group_index`` numbers the prompts from ``first_group``."""
-        self._phase("generate", timer)
+        for key, seconds in self._wake_rollout().items():
+            timer.times[key] = timer.times.get(key, 0.0) + seconds
         prompts = collate(examples, self.tokenizer.pad_token_id)
         n = self.sampling.n
         with timer("gen"):
@@ -450,7 +462,7 @@ class Trainer:
         # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.evaluation).
         from rlx.evaluation import evaluate, flatten, summarize
 
-        phase = self.launcher.phase("generate")  # after a step without an update the engine still sleeps
+        phase = self._wake_rollout()  # after a step without an update the engine still sleeps
         records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),
                            score=partial(self.reward.call, "score"), params=params,
                            batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id)

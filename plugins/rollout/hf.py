@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
@@ -40,12 +40,20 @@ class HFRolloutOptions(BaseModel):
         "default", description="torch.compile the static decode step before it is recorded (a GPU only): "
         "faster steps for a compilation of tens of seconds per shape; max-autotune also tunes matmul kernels "
         "(minutes).")
-    free_on_sleep: bool = Field(
-        False, description="On a GPU, sleep moves the weights to host memory and drops the static caches and "
-        "graphs (recorded, and compiled, again at the next generate): for weights and caches that training needs "
-        "room for. Off: sleep keeps them on the GPU, and waking up costs nothing.")
+    free_on_sleep: bool | Literal["offload", "discard"] = Field(
+        False, description="What sleep frees. offload (true means offload too): on a GPU the weights move to host "
+        "memory and back at wake-up. discard (on any device): the parameters' memory is freed and, at wake-up, "
+        "allocated empty for the actor's weights that the launcher loads next; generating before every parameter "
+        "was loaded again is an error. Both drop the static caches and graphs (recorded, and compiled, again at "
+        "the next generate). false: sleep keeps everything, and waking up costs nothing.")
+
     prompt_bucket: int = Field(64, gt=0, le=2**16, description="The static path pads prompts to a multiple of "
                                "this many tokens, so that batches of similar prompts share a cache and a graph.")
+
+    @field_validator("free_on_sleep")
+    @classmethod
+    def _true_means_offload(cls, value: bool | str) -> bool | str:
+        return "offload" if value is True else value
 
 
 class HFRollout:
@@ -72,6 +80,20 @@ class HFRollout:
         self.pad_token_id = pad_token_id
         self.weight_version = 0
         self.static = self._static_engine()
+        # free_on_sleep=discard: the shapes of the parameters whose memory sleep freed, and the (canonical)
+        # names of those not loaded again since; tied aliases (lm_head.weight) map to the name they share.
+        self._discarded: dict[str, torch.Size] = {}
+        self._not_loaded: set[str] = set()
+        self._freed = False  # between a discarding sleep and the next wake_up
+        self._canonical = self._canonical_names()
+
+    def _canonical_names(self) -> dict[str, str]:
+        """Every parameter name, tied aliases included, mapped to the one name ``named_parameters`` keeps."""
+        first: dict[int, str] = {}
+        out = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out[name] = first.setdefault(id(p), name)
+        return out
 
     def _static_engine(self) -> Any:
         import warnings
@@ -93,6 +115,14 @@ class HFRollout:
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         from rlx.batch import concat_rollouts
+
+        if self._not_loaded:
+            names = sorted(self._not_loaded)
+            raise RuntimeError(
+                f"The hf engine freed its weights at sleep (rollout.free_on_sleep=discard) and {len(names)} "
+                f"parameter(s) were not loaded again since it woke up ({', '.join(names[:5])}"
+                f"{', ...' if len(names) > 5 else ''}): it would sample from uninitialised memory. The launcher "
+                "must load the actor's weights (update_weights) after wake_up and before generate.")
 
         rows = prompts.repeat_interleave(params.n)
         chunks = [self._generate(mb, params) for mb in rows.split(self.options.micro_batch_size)]
@@ -133,6 +163,9 @@ class HFRollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         import torch
 
+        if self._freed:
+            raise RuntimeError("update_weights on a sleeping hf engine that freed its weights "
+                               "(rollout.free_on_sleep=discard): wake_up must come first.")
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         missing = set(params)
@@ -141,6 +174,7 @@ class HFRollout:
                 if name in params:
                     params[name].copy_(tensor.to(params[name].device, params[name].dtype))
                     missing.discard(name)
+                    self._not_loaded.discard(self._canonical.get(name, name))
         # Tied weights appear under one name only; buffers (rotary tables) are not trained.
         missing -= {n for n, _ in self.model.named_buffers()}
         tied = {n for n, p in self.model.named_parameters(remove_duplicate=False)} - set(
@@ -150,9 +184,24 @@ class HFRollout:
         self.weight_version += 1
 
     def sleep(self) -> None:
-        """Nothing to free on the CPU. On a GPU, with ``free_on_sleep``, the weights move to host memory and
-        the static caches and graphs are dropped (the graphs hold the weights' old addresses)."""
-        if self.device != "cpu" and self.options.free_on_sleep:
+        """What ``free_on_sleep`` says. offload: on a GPU the weights move to host memory (nothing to free on
+        the CPU). discard: every parameter's memory is freed, on any device; buffers (rotary tables) stay, as
+        the actor does not send them. Both drop the static caches and graphs (they hold the weights' old
+        addresses)."""
+        mode = self.options.free_on_sleep
+        if mode == "discard":
+            import torch
+
+            if self.static is not None:
+                self.static.clear()
+            for name, p in self.model.named_parameters():  # a tied weight once: its aliases stay the same tensor
+                self._discarded.setdefault(name, p.shape)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._not_loaded = set(self._discarded)
+            self._freed = True
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        elif mode == "offload" and self.device != "cpu":
             import torch
 
             if self.static is not None:
@@ -161,7 +210,17 @@ class HFRollout:
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        if self.device != "cpu" and self.options.free_on_sleep:
+        """offload: the weights come back to the device. discard: each parameter gets empty memory of its
+        shape, to be filled by the next :meth:`update_weights`; until every one is, :meth:`generate` refuses."""
+        mode = self.options.free_on_sleep
+        if mode == "discard":
+            import torch
+
+            if self._freed:
+                for name, p in self.model.named_parameters():
+                    p.data = torch.empty(self._discarded[name], dtype=p.dtype, device=p.device)
+                self._freed = False
+        elif mode == "offload" and self.device != "cpu":
             self.model.to(self.device)
 
     def close(self) -> None:
