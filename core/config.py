@@ -132,6 +132,13 @@ class ActorConfig(_Section):
         16, gt=0, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs (no gradients).")
     ppo_epochs: int = Field(1, gt=0, le=MAX_PPO_EPOCHS, description="Passes over each step's rollouts.")
     shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
+    recompute_old_log_prob: bool | Literal["auto"] = Field(
+        "auto", description="The old-log-prob pass before the update. With ppo_epochs=1 and one mini-batch per step "
+        "(ppo_mini_batch_size = data.train_batch_size) the update's own forward runs the policy that scored the "
+        "rollouts, so the loss can take its log-probs, detached, as the old ones (ratio 1: the same gradient, one "
+        "forward pass fewer). auto: skip the pass exactly then, unless the algorithm needs the old log-probs "
+        "before the update (use_kl_in_reward); true: always run it; false: never (a config error where the update "
+        "is not on-policy).")
     use_remove_padding: bool = Field(
         True, description="Packed sequences: a micro-batch's rows go through the model as one row without "
         "padding, attention kept within each sequence (models on transformers' attention interface; others "

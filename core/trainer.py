@@ -2,7 +2,8 @@
 
 One step::
 
-    prompts -> rollout.generate (n per prompt) -> reward -> actor old log-probs -> ref log-probs
+    prompts -> rollout.generate (n per prompt) -> reward -> actor old log-probs (skipped when the update is
+      on-policy: ``actor.recompute_old_log_prob``) -> ref log-probs
       -> advantages (driver) -> actor update (ppo_epochs x mini-batches x micro-batches)
       -> push actor weights to the rollout engine -> metrics -> loggers; validate / save on schedule
 
@@ -29,7 +30,7 @@ from rlx import checkpoint
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.data import PromptLoader, collate, load_prompts, resolve_path
-from rlx.errors import UserError, describe_exception
+from rlx.errors import ConfigError, UserError, describe_exception
 from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
@@ -121,6 +122,13 @@ class Trainer:
         run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
                       self.config_dict, resumed=self.resume_from is not None, resumed_step=resumed_step)
         self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
+        if cfg.actor.recompute_old_log_prob is False:
+            problem = self._on_policy_problem(d.train_batch_size * cfg.rollout.n,
+                                              cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
+            if problem is not None:
+                raise ConfigError([f"actor.recompute_old_log_prob=false skips the old-log-prob pass, which is "
+                                   f"exact only when the update is on-policy, but {problem}. Leave it at auto "
+                                   "(skipped exactly when on-policy) or set it to true."])
         self._build_roles()
         self.flops = self._flops_counter()
         self.loggers = {name: self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers}
@@ -243,8 +251,14 @@ class Trainer:
         if not len(batch):  # dynamic sampling found nothing to train on within its limit
             return {**rollout_metrics, **timer.times, "timing/step": time.perf_counter() - step_start}
         self._phase("train", timer)
-        with timer("old_log_prob"):
-            batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
+        mini_size = cfg.actor.ppo_mini_batch_size * self.sampling.n
+        if self._old_log_probs_from_update(len(batch), mini_size):
+            # The update's forward runs the policy that would score them: its log-probs, detached, are the old
+            # ones (ActorLoss), so this pass is skipped.
+            batch.meta["old_log_probs_from_update"] = True
+        else:
+            with timer("old_log_prob"):
+                batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
         if self.ref is not None:
             with timer("ref"):
                 batch.tensors["ref_log_probs"] = self.ref.call("compute_log_probs", batch)["log_probs"]
@@ -257,7 +271,6 @@ class Trainer:
         with timer("adv"):
             self.algorithm.compute_advantages(batch)
         update: dict[str, list[float]] = {}
-        mini_size = cfg.actor.ppo_mini_batch_size * self.sampling.n
         if self.critic is not None:
             with timer("update_critic"):
                 ppo_update(self.critic, batch, self.algorithm.value_loss_fn(), epochs=cfg.critic.ppo_epochs or
@@ -280,6 +293,31 @@ class Trainer:
         metrics.update(self.algorithm.metrics(batch))
         self._log_samples(batch)
         return metrics
+
+    def _on_policy_problem(self, rows: int, mini_size: int) -> str | None:
+        """Why the actor update of a step of ``rows`` rollouts may not take its old log-probs from its own
+        forward pass, or None when it may: one epoch of one mini-batch (the only optimizer step of the update
+        comes after the forward, so that forward runs the policy that generated), and an algorithm that reads
+        the old log-probs in its loss only."""
+        a = self.cfg.actor
+        if a.ppo_epochs != 1:
+            return f"actor.ppo_epochs={a.ppo_epochs}: every epoch after the first runs an updated policy"
+        if rows > mini_size:
+            return (f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cuts a step's rollouts into several "
+                    "optimizer steps, and each after the first runs an updated policy")
+        if not getattr(self.algorithm, "old_log_probs_from_update", False):
+            return (f"algorithm {self.cfg.algorithm.name!r} needs the old log-probs before the update (e.g. "
+                    "use_kl_in_reward) or does not say that its loss can take them from the update's forward")
+        return None
+
+    def _old_log_probs_from_update(self, rows: int, mini_size: int) -> bool:
+        """Whether this step skips the old-log-prob pass (``actor.recompute_old_log_prob``)."""
+        setting = self.cfg.actor.recompute_old_log_prob
+        if setting is True:
+            return False
+        # false was checked at start-up, and a step never has more rows than there (dynamic sampling keeps at
+        # most data.train_batch_size groups).
+        return setting is False or self._on_policy_problem(rows, mini_size) is None
 
     def _phase(self, name: str, timer: Timer) -> None:
         """Switch the launcher's phase; the sleep / wake-up it took is timed in this step."""

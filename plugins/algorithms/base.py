@@ -164,14 +164,23 @@ class ActorLoss:
         norm = minibatch_norm(mb, mask)
         clip = {"clip_low": o.clip_ratio_low or o.clip_ratio, "clip_high": o.clip_ratio_high or o.clip_ratio,
                 "clip_ratio_c": o.clip_ratio_c}
+        # On-policy steps skip the old-log-prob pass (actor.recompute_old_log_prob): this forward runs the policy
+        # that pass would have, so its log-probs, detached, are the old ones (ratio 1, the same gradient).
+        from_update = bool(mb.meta.get("old_log_probs_from_update"))
+        old_log_probs = log_probs.detach() if from_update else mb["old_log_probs"]
         tis: dict[str, float] = {}
         weights = None
         if o.tis_cap is not None:
-            weights, tis = F.tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, o.tis_cap)
+            weights, tis = F.tis_weights(old_log_probs, mb["rollout_log_probs"], mask, o.tis_cap)
         pg_loss, metrics = F.POLICY_LOSSES[o.policy_loss](
-            log_probs, mb["old_log_probs"], mb["advantages"], mask, agg_mode=o.loss_agg_mode, token_weights=weights,
+            log_probs, old_log_probs, mb["advantages"], mask, agg_mode=o.loss_agg_mode, token_weights=weights,
             **clip, **norm)
         out = {f"actor/{k}": float(v) for k, v in {**metrics, **tis}.items()}
+        if from_update and "rollout_log_probs" in mb:
+            # What PolicyGradient.metrics logs from the old-log-prob pass otherwise; the update averages metrics
+            # over tokens, so the mean is exact and the maximum cannot be logged.
+            diff_mean, _ = F.logprob_diff(mb["rollout_log_probs"], old_log_probs, mask)
+            out["rollout/logprob_diff_mean"] = diff_mean
         out["actor/pg_loss"] = float(pg_loss.detach()) * share_to_mean(mb, mask)
         out["actor/entropy"] = float(F.masked_mean(entropy.detach(), mask))
         loss = pg_loss
@@ -245,6 +254,8 @@ class PolicyGradient:
         self.needs_critic = "values" in needs
         self.needs_greedy_baseline = "baseline_scores" in needs
         self.needs_ref = opts.use_kl_loss or opts.use_kl_in_reward
+        # The loss is the only reader of old log-probs unless the reward penalty needs them before the advantages.
+        self.old_log_probs_from_update = not opts.use_kl_in_reward
         self.group_relative = opts.adv_estimator in GROUP_RELATIVE
         self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
