@@ -78,8 +78,13 @@ def test_the_pass_runs_unless_the_update_is_on_policy(tmp_path, extra):
     assert "rollout/logprob_diff_max" in m
 
 
-def test_the_pass_is_skipped_when_on_policy(tmp_path):
-    t = trainer(tmp_path, *ON_POLICY)
+@pytest.mark.parametrize("extra", [
+    [],
+    ["algorithm.name=dapo"],  # dynamic sampling: every kept group comes from the same weights
+    ["algorithm.name=ppo"],  # the critic reads no old log-probs
+])
+def test_the_pass_is_skipped_when_on_policy(tmp_path, extra):
+    t = trainer(tmp_path, *ON_POLICY, *extra)
     (m,) = run_steps(t, 1)
     assert "timing/old_log_prob" not in m and m["actor/grad_norm"] > 0
 
