@@ -46,7 +46,6 @@ class HFRolloutOptions(BaseModel):
         "allocated empty for the actor's weights that the launcher loads next; generating before every parameter "
         "was loaded again is an error. Both drop the static caches and graphs (recorded, and compiled, again at "
         "the next generate). false: sleep keeps everything, and waking up costs nothing.")
-
     prompt_bucket: int = Field(64, gt=0, le=2**16, description="The static path pads prompts to a multiple of "
                                "this many tokens, so that batches of similar prompts share a cache and a graph.")
 
@@ -80,20 +79,11 @@ class HFRollout:
         self.pad_token_id = pad_token_id
         self.weight_version = 0
         self.static = self._static_engine()
-        # free_on_sleep=discard: the shapes of the parameters whose memory sleep freed, and the (canonical)
-        # names of those not loaded again since; tied aliases (lm_head.weight) map to the name they share.
+        # free_on_sleep=discard: the shapes of the parameters whose memory sleep freed, and the names of those
+        # not loaded again since (as named_parameters names them: a tied weight under its first name only).
         self._discarded: dict[str, torch.Size] = {}
         self._not_loaded: set[str] = set()
         self._freed = False  # between a discarding sleep and the next wake_up
-        self._canonical = self._canonical_names()
-
-    def _canonical_names(self) -> dict[str, str]:
-        """Every parameter name, tied aliases included, mapped to the one name ``named_parameters`` keeps."""
-        first: dict[int, str] = {}
-        out = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            out[name] = first.setdefault(id(p), name)
-        return out
 
     def _static_engine(self) -> Any:
         import warnings
@@ -174,7 +164,7 @@ class HFRollout:
                 if name in params:
                     params[name].copy_(tensor.to(params[name].device, params[name].dtype))
                     missing.discard(name)
-                    self._not_loaded.discard(self._canonical.get(name, name))
+                    self._not_loaded.discard(name)
         # Tied weights appear under one name only; buffers (rotary tables) are not trained.
         missing -= {n for n, _ in self.model.named_buffers()}
         tied = {n for n, p in self.model.named_parameters(remove_duplicate=False)} - set(
