@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import pickle
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -129,26 +129,24 @@ def _send_bucket(group: Any, device: str, header: list[tuple[str, str, tuple[int
     _broadcast(group, data)
 
 
-def broadcast_send(named: Iterable[tuple[str, torch.Tensor]], group: Any, limit: int, device: str) -> SyncStats:
-    """The training pool's rank 0: broadcast ``named`` to the group's other ranks, one bucket at a time.
-
-    A bucket is one byte buffer of ``limit`` bytes into which tensors are copied as they arrive (so this
-    process holds one bucket and the tensor at hand, never the model twice); a tensor larger than
-    ``limit`` is sent from its own memory. Each bucket is three broadcasts: its sizes, its header (name,
-    dtype, shape, offset of each tensor) and its bytes; sizes of zero end the stream.
-    """
+def _pack(named: Iterable[tuple[str, torch.Tensor]], limit: int, stats: SyncStats,
+          open_bucket: Callable[[], torch.Tensor], send: Callable[[Header, torch.Tensor], None],
+          send_alone: Callable[[Header, torch.Tensor], None]) -> None:
+    """Copy ``named``'s tensors, as bytes, into buckets of at most ``limit`` bytes (each tensor at a multiple of
+    ``_ALIGN``) and hand each full bucket to ``send`` with its header (name, dtype, shape, offset, bytes of
+    every tensor). ``open_bucket`` gives the buffer the next bucket is packed into; a tensor larger than
+    ``limit`` goes to ``send_alone`` as its own flat bytes."""
     import torch
 
-    stats = SyncStats()
     buffer: torch.Tensor | None = None
-    header: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    header: Header = []
     used = 0
 
     def flush() -> None:
         nonlocal header, used
         if header:
             assert buffer is not None
-            _send_bucket(group, device, header, buffer[:used])
+            send(header, buffer[:used])
             stats.buckets += 1
             header, used = [], 0
 
@@ -160,20 +158,42 @@ def broadcast_send(named: Iterable[tuple[str, torch.Tensor]], group: Any, limit:
             flush()
             start = 0
         entry = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start, n)
-        if n > limit:  # alone, from its own memory
-            _send_bucket(group, device, [(*entry[:3], 0, n)], flat.to(device))
+        if n > limit:
+            send_alone([(*entry[:3], 0, n)], flat)
             stats.buckets += 1
         else:
-            if buffer is None:
-                buffer = torch.empty(limit, dtype=torch.uint8, device=device)
+            if not header:
+                buffer = open_bucket()
             buffer[start:start + n].copy_(flat)
             header.append(entry)
             used = start + n
         stats.bytes += n
     flush()
+
+
+def broadcast_send(named: Iterable[tuple[str, torch.Tensor]], group: Any, limit: int, device: str) -> SyncStats:
+    """The training pool's rank 0: broadcast ``named`` to the group's other ranks, one bucket at a time.
+
+    A bucket is one byte buffer of ``limit`` bytes into which tensors are copied as they arrive (so this
+    process holds one bucket and the tensor at hand, never the model twice); a tensor larger than
+    ``limit`` is sent from its own memory. Each bucket is three broadcasts: its sizes, its header (name,
+    dtype, shape, offset of each tensor) and its bytes; sizes of zero end the stream.
+    """
+    import torch
+
+    stats = SyncStats()
+    buffer: list[torch.Tensor] = []  # the one bucket buffer, made at the first bucket
+
+    def open_bucket() -> torch.Tensor:
+        if not buffer:
+            buffer.append(torch.empty(limit, dtype=torch.uint8, device=device))
+        return buffer[0]
+
+    _pack(named, limit, stats, open_bucket,
+          send=lambda header, data: _send_bucket(group, device, header, data),
+          send_alone=lambda header, flat: _send_bucket(group, device, header, flat.to(device)))
     _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device))
     return stats
-
 
 def broadcast_receive(group: Any, device: str, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
     """A rollout rank: the tensors :func:`broadcast_send` sends, as views of each bucket's buffer (a new
@@ -364,49 +384,31 @@ def ipc_send(named: Iterable[tuple[str, torch.Tensor]], group: Any, limit: int, 
     sender = _Sender(group)
     slots: list[torch.Tensor | None] = [None, None]
     slot = 0
-    header: Header = []
-    used = 0
 
-    def flush() -> None:
-        nonlocal header, used, slot
-        if header:
-            memory = slots[slot]
-            assert memory is not None
-            sender.send(header, memory[:used], slot)
-            stats.buckets += 1
-            header, used, slot = [], 0, 1 - slot
+    def open_bucket() -> torch.Tensor:
+        sender.free(slot)
+        if slots[slot] is None:
+            slots[slot] = _shared(limit, device)
+        memory = slots[slot]
+        assert memory is not None
+        return memory
 
-    for name, tensor in named:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        n = flat.numel()
-        start = -(-used // _ALIGN) * _ALIGN
-        if header and start + n > limit:
-            flush()
-            start = 0
-        entry = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start, n)
-        if n > limit:
-            if torch.device(device).type == "cuda":
-                own = flat.to(device)
-            else:
-                own = _shared(n, device)
-                own.copy_(flat)
-            sender.send([(*entry[:3], 0, n)], own, None)
-            stats.buckets += 1
+    def send(header: Header, data: torch.Tensor) -> None:
+        nonlocal slot
+        sender.send(header, data, slot)
+        slot = 1 - slot
+
+    def send_alone(header: Header, flat: torch.Tensor) -> None:
+        if torch.device(device).type == "cuda":
+            own = flat.to(device)
         else:
-            if not header:
-                sender.free(slot)
-                if slots[slot] is None:
-                    slots[slot] = _shared(limit, device)
-            buffer = slots[slot]
-            assert buffer is not None
-            buffer[start:start + n].copy_(flat)
-            header.append(entry)
-            used = start + n
-        stats.bytes += n
-    flush()
+            own = _shared(flat.numel(), device)
+            own.copy_(flat)
+        sender.send(header, own, None)
+
+    _pack(named, limit, stats, open_bucket, send, send_alone)
     sender.finish()
     return stats
-
 
 def ipc_receive(group: Any, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
     """A rollout rank: the tensors :func:`ipc_send` shares, as views of the sender's buffers. A view is

@@ -566,17 +566,9 @@ class FSDPWorker(TorchWorker):
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`named_weights` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.named_weights():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        from rlx.weight_sync import buckets
+
+        yield from buckets(self.named_weights(), bucket_bytes)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:

@@ -634,19 +634,6 @@ class MegatronWorker:
         yield from export_hf(self.chunks, self.bridge, self.hf_config, value_head=self.spec.value_head,
                              comm_device=self.comm_device)
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.named_weights():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
-
     def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
         """Rank 0 writes a Hugging Face folder from the gathered weights; the others take part in the gathers."""
         import torch
