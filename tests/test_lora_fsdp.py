@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from test_backend_torch import critic_batch, make_batch
-from test_fsdp import SCHEDULE, actor_loss, free_port, minibatches, ref_spec, state
+from test_fsdp import SCHEDULE, actor_loss, free_port, fsdp_worker, minibatches, ref_spec, state
 
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
@@ -61,9 +61,7 @@ def critic_spec(path: str) -> RoleSpec:
 
 
 def fsdp2(spec: RoleSpec, engine: str = "fsdp2") -> Any:
-    from rlx.plugins.backends.fsdp import FSDP2Options, FSDPOptions, FSDPWorker
-
-    return FSDPWorker(spec, FSDP2Options() if engine == "fsdp2" else FSDPOptions(), "cpu", engine)
+    return fsdp_worker(spec, engine)
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, data: dict[str, Any], out: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 from test_backend_torch import critic_batch, grpo_loss
+from test_fsdp import free_port, state
+from test_fsdp import fsdp_worker as make_fsdp_worker
 
 from rlx.batch import Batch
 from rlx.errors import UserError
@@ -74,20 +75,8 @@ def minibatches(batch: Batch) -> list[Batch]:
     return out
 
 
-def state(pairs: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in pairs}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fsdp_worker(spec: RoleSpec, engine: str = "fsdp2") -> Any:
-    from rlx.plugins.backends.fsdp import FSDP2Options, FSDPOptions, FSDPWorker
-
-    return FSDPWorker(spec, FSDP2Options() if engine == "fsdp2" else FSDPOptions(), "cpu", engine)
+    return make_fsdp_worker(spec, engine)
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:

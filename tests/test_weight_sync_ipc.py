@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_weight_sync import payload as kinds
 
 from rlx import weight_sync
 from rlx.context import BuildContext
@@ -35,20 +36,11 @@ LIMIT = 1024
 
 
 def payload() -> list[tuple[str, torch.Tensor]]:
-    """Every kind of tensor a model may hold (dtypes of 1 to 8 bytes, a scalar, an empty, a non-contiguous
-    tensor, one larger than the bucket), then enough rows of 100 floats that both buffers are reused."""
+    """Every kind of tensor a model may hold (test_weight_sync's: dtypes of 1 to 8 bytes, a scalar, an empty,
+    a non-contiguous tensor, one larger than the bucket), then enough rows of 100 floats that both buffers
+    are reused."""
     gen = torch.Generator().manual_seed(5)
-    special = [
-        ("w.f32", torch.randn(3, 5, generator=gen)),
-        ("w.bf16", torch.randn(7, generator=gen).to(torch.bfloat16)),
-        ("w.i64", torch.randint(-9, 9, (2, 2), generator=gen)),
-        ("w.bool", torch.rand(9, generator=gen) > 0.5),
-        ("w.scalar", torch.tensor(2.5, dtype=torch.float64)),
-        ("w.empty", torch.zeros(0, 4)),
-        ("w.transposed", torch.randn(4, 6, generator=gen).t()),
-        ("w.big", torch.randn(1000, generator=gen)),  # 4000 bytes > the 1024-byte buffer
-    ]
-    return special + [(f"row.{i}", torch.randn(100, generator=gen)) for i in range(10)]  # 400 bytes: 2 a bucket
+    return kinds() + [(f"row.{i}", torch.randn(100, generator=gen)) for i in range(10)]  # 400 bytes: 2 a bucket
 
 
 class SlowEngine:
