@@ -32,6 +32,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
+pytestmark = pytest.mark.megatron
+
 from rlx.batch import Batch
 from rlx.errors import UserError
 from rlx.plugins.backends.megatron import (
