@@ -31,6 +31,8 @@ from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
+pytestmark = pytest.mark.multiproc
+
 ENGINES = ["fsdp2", "fsdp"]
 WORLD = 2
 EPOCHS, MINI, SEED = 2, 4, 7

@@ -32,6 +32,8 @@ from rlx.protocols import RoleSpec
 
 pytest.importorskip("peft")
 
+pytestmark = pytest.mark.multiproc
+
 WORLD = 2
 ATOL, RTOL = 1e-6, 1e-5
 LOG_PROB_ATOL = 1e-5

@@ -32,8 +32,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
-pytestmark = pytest.mark.megatron
-
 from rlx.batch import Batch
 from rlx.errors import UserError
 from rlx.plugins.backends.megatron import (
@@ -54,6 +52,8 @@ from rlx.plugins.backends.megatron_convert import (
     make_bridge,
     read_hf_config,
 )
+
+pytestmark = pytest.mark.megatron
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from rlx import checkpoint
 from rlx.plugins.loggers.jsonl import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 TINY = ["--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false"]
 

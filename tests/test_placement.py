@@ -27,6 +27,8 @@ from rlx.plugins.launchers.local import LocalOptions, build
 from rlx.plugins.rollout import hf
 from rlx.protocols import RunInfo
 
+pytestmark = pytest.mark.multiproc
+
 SMALL = ["trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false", "trainer.save_freq=0",
          "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "rollout.n=4"]
 

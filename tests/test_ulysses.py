@@ -36,6 +36,8 @@ from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
+pytestmark = pytest.mark.multiproc
+
 SP = {"ulysses_sequence_parallel_size": 2}
 PLAIN_HEAD = {"log_prob_chunk_size": 0}
 # Token budgets of 8 per GPU: below the longest row (14 tokens), but a group of 2 GPUs may hold 16.

@@ -32,6 +32,8 @@ from rlx.errors import UserError
 from rlx.plugins.launchers.local import LocalOptions, build
 from rlx.protocols import RunInfo
 
+pytestmark = pytest.mark.multiproc
+
 LIMIT = 1024
 
 
