@@ -2,7 +2,8 @@
 
 The backend that wrote the checkpoint (recorded in the run's ``config.yaml``) loads it in this one process
 and writes the folder, so every backend's own format works, sharded ones included (a checkpoint written by
-N ranks loads into one). The checkpoint is verified first, like a resume, and the folder is written
+N ranks loads into one). A backend whose checkpoints load only where it trains (megatron: GPUs) gives its own
+exporter (``Component.extra["export_checkpoint"]``), which reads the checkpoint without building the backend. The checkpoint is verified first, like a resume, and the folder is written
 atomically (a temporary folder renamed into place).
 """
 
@@ -93,28 +94,36 @@ def export_command(
         raise UserError(f"--adapter-only: the run of {ckpt} has no LoRA adapter (model.lora_rank=0: it trained "
                         "every weight).", "Export the whole model: leave out --adapter-only.")
 
+    from rlx.components import resolve
     from rlx.context import BuildContext
     from rlx.data import resolve_path
     from rlx.models import load_tokenizer
     from rlx.protocols import RoleSpec, RunInfo
 
-    ctx = BuildContext(cfg, RunInfo(str(ckpt.parent.parent), cfg.trainer.project, cfg.trainer.experiment,
-                                    resolved.as_dict()), _pm())
-    backend = _pm().build("backend", cfg.backend.name, resolved.options.get("backend"), ctx)
     model_path = resolve_path(cfg.critic.model_path if role == "critic" and cfg.critic.model_path else cfg.model.path)
     spec = RoleSpec(role=role, model_path=model_path, trainable=False, dtype="float32",
                     value_head=role == "critic", seed=cfg.trainer.seed, trust_remote_code=cfg.model.trust_remote_code)
-    worker = backend.worker(spec, 0, 1)
-    worker.load_checkpoint(str(ckpt / role))
+    # A backend whose checkpoints load only where it trains (megatron: on GPUs) reads them with its own
+    # exporter; the others rebuild the role on the CPU and load the checkpoint into it.
+    exporter = _pm().get("backend", cfg.backend.name).extra.get("export_checkpoint")
+    worker = None
+    if exporter is None:
+        ctx = BuildContext(cfg, RunInfo(str(ckpt.parent.parent), cfg.trainer.project, cfg.trainer.experiment,
+                                        resolved.as_dict()), _pm())
+        backend = _pm().build("backend", cfg.backend.name, resolved.options.get("backend"), ctx)
+        worker = backend.worker(spec, 0, 1)
+        worker.load_checkpoint(str(ckpt / role))
+    if adapter_only and (worker is None or not hasattr(worker, "save_adapter")):
+        raise UserError(f"--adapter-only: the {cfg.backend.name} backend cannot write a LoRA adapter folder.",
+                        "Export the merged model: leave out --adapter-only.")
     tokenizer = load_tokenizer(resolve_path(cfg.model.tokenizer_path or cfg.model.path), cfg.model.trust_remote_code,
                                require_chat_template=False)
     tmp = out.with_name(f".tmp-{out.name}")
     checkpoint.remove_tree(tmp)
     checkpoint.make_dir(tmp)
-    if adapter_only:
-        if not hasattr(worker, "save_adapter"):
-            raise UserError(f"--adapter-only: the {cfg.backend.name} backend cannot write a LoRA adapter folder.",
-                            "Export the merged model: leave out --adapter-only.")
+    if exporter is not None:
+        resolve(exporter)(str(ckpt / role), spec, str(tmp), tokenizer)
+    elif adapter_only:
         worker.save_adapter(str(tmp), tokenizer)
     else:
         worker.save_pretrained(str(tmp), tokenizer)

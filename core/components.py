@@ -34,6 +34,11 @@ class Component:
     :class:`rlx.context.BuildContext`. ``factory`` and ``config_model`` may be given as
     ``"module:attr"`` strings so that they are imported only when used.
 
+    ``extra`` holds optional capabilities by key. A backend may give ``"export_checkpoint"``: a function (or
+    ``"module:attr"``) ``f(checkpoint_dir, spec, out_dir, tokenizer)`` that writes a role's checkpoint as a
+    Hugging Face folder in one CPU process without building the backend; ``rlx export`` uses it instead of
+    loading the checkpoint into a worker (the megatron backend's checkpoints cannot be).
+
     Example::
 
         Component(kind="reward", name="length", factory="my_pkg.reward:build",

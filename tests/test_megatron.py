@@ -50,6 +50,7 @@ from rlx.plugins.backends.megatron_convert import (
     export_hf,
     load_hf,
     make_bridge,
+    read_checkpoint,
     read_hf_config,
 )
 
@@ -82,23 +83,49 @@ def hf_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def convert(path: str, options: MegatronOptions, value_head: bool = False, seed: int = 0
-            ) -> dict[str, torch.Tensor]:
-    """HF folder -> this rank's megatron-core chunks -> full HF tensors (megatron's groups already set up)."""
+def loaded_chunks(path: str, options: MegatronOptions, value_head: bool = False, seed: int = 0
+                  ) -> tuple[list[Any], Any, Any]:
+    """This rank's megatron-core chunks holding the HF folder's weights (megatron's groups already set up),
+    with the bridge and the HF config."""
     config = read_hf_config(path)
     bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
     chunks = build_chunks(bridge, config, value_head=value_head, use_te=False,
                           vpp=options.virtual_pipeline_model_parallel_size, device="cpu")
     load_hf(chunks, bridge, config, path, value_head=value_head, seed=seed)
+    return chunks, bridge, config
+
+
+def convert(path: str, options: MegatronOptions, value_head: bool = False, seed: int = 0
+            ) -> dict[str, torch.Tensor]:
+    """HF folder -> this rank's megatron-core chunks -> full HF tensors (megatron's groups already set up)."""
+    chunks, bridge, config = loaded_chunks(path, options, value_head, seed)
     return {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=value_head, comm_device="cpu")}
 
 
+def save_model_checkpoint(chunks: list[Any], folder: str) -> None:
+    """What ``MegatronWorker.save_checkpoint`` writes through ``dist_checkpointing`` (the same sharded state
+    dict), less the optimizer's part: megatron's optimizer needs CUDA. Every rank calls it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from rlx.plugins.backends.megatron import MegatronWorker
+
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    state = MegatronWorker._sharded_state(SimpleNamespace(chunks=chunks, optimizer=None),  # type: ignore[arg-type]
+                                          loading=False)
+    dist_checkpointing.save(state, folder)
+
+
 def emulate_cuda_placement(setattr_: Any) -> None:
-    """Point megatron-core's three CUDA-only placements at the CPU (see the module docstring)."""
+    """Point megatron-core's three CUDA-only placements at the CPU (see the module docstring); the
+    ``torch.cuda.synchronize()`` of ``dist_checkpointing``'s writer becomes a no-op."""
     import megatron.core.fusions.fused_softmax as fused_softmax
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     setattr_(torch.cuda, "current_device", lambda: "cpu")
+    setattr_(torch.cuda, "synchronize", lambda device=None: None)
     setattr_(fused_softmax, "get_default_causal_mask",
              lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1))
     setattr_(CudaRNGStatesTracker, "fork", lambda self, name="model-parallel-rng": contextlib.nullcontext())
@@ -222,16 +249,19 @@ def _rank_main(rank: int, world: int, port: int, tiny: str, llama: str, out: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict[str, Any] = {}
+    emulate_cuda_placement(setattr)
     try:
         # (A tied model split into pipeline stages syncs its output layer with .cuda(): GPU only.)
         for name, tp, pp, path in (("tp", 2, 1, llama), ("pp", 1, 2, llama)):
             mpu.initialize_model_parallel(tp, pp)
             options = MegatronOptions(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            res[name] = convert(path, options)
+            chunks, bridge, config = loaded_chunks(path, options)
+            res[name] = {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=False,
+                                                             comm_device="cpu")}
+            save_model_checkpoint(chunks, os.path.join(out, f"dist-{name}"))
             mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(2, 1)
         res["vocab"] = _vocab_parallel_case(rank)
-        emulate_cuda_placement(setattr)
         res["forward"] = forward_and_grads(llama, MegatronOptions(tensor_model_parallel_size=2), forward_batch())
         mpu.destroy_model_parallel()
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -274,7 +304,10 @@ def two_ranks(tiny_model_path: str, llama_path: str, tmp_path_factory: pytest.Te
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = old
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for res in results:
+        res["dist"] = {case: str(out / f"dist-{case}") for case in ("tp", "pp")}
+    return results
 
 
 @pytest.mark.parametrize("case", ["tp", "pp"])
@@ -347,6 +380,101 @@ def test_tensor_parallel_forward_and_gradients_match_one_rank(
         assert set(got["grads"]) == set(one["grads"])
         for name, grad in one["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -- distributed checkpoints -> Hugging Face in one CPU process (rlx export) ---------------------------------
+@pytest.mark.parametrize("which", ["qwen2", "llama", "critic"])
+def test_a_distributed_checkpoint_reads_back_as_the_models_weights(
+        which: str, tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """A checkpoint's model shards, read with PyTorch's checkpoint reader in one process (no megatron model,
+    no groups: ``export_checkpoint``'s path), give every Hugging Face tensor bit for bit: the tied Qwen2, the
+    untied GQA Llama, and a critic with its seeded value head."""
+    emulate_cuda_placement(monkeypatch.setattr)
+    path = llama_path if which == "llama" else tiny_model_path
+    value_head = which == "critic"
+    chunks, bridge, config = loaded_chunks(path, MegatronOptions(), value_head=value_head, seed=3)
+    want = {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=value_head, comm_device="cpu")}
+    save_model_checkpoint(chunks, str(tmp_path / "dist"))
+    got = dict(read_checkpoint(str(tmp_path / "dist"), config, value_head=value_head))
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    if value_head:
+        assert got["score.weight"].shape == (1, 64) and got["score.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["tp", "pp"])
+def test_a_checkpoint_written_by_two_ranks_reads_in_one_process(case: str, two_ranks: list[dict],
+                                                                 llama_path: str) -> None:
+    """Written by 2 ranks (TP=2: each holds half of QKV, fc1, the vocabulary...; PP=2: a layer each), read in
+    one process: the shards are placed by their global offsets, so every tensor is the HF original."""
+    original = hf_tensors(llama_path)
+    got = dict(read_checkpoint(two_ranks[0]["dist"][case], read_hf_config(llama_path), value_head=False))
+    assert set(got) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(got[name], tensor), (case, name)
+
+
+def test_reading_a_damaged_or_foreign_checkpoint_is_a_user_error(
+        tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    emulate_cuda_placement(monkeypatch.setattr)
+    folder = tmp_path / "dist"
+    chunks, _, _ = loaded_chunks(llama_path, MegatronOptions())
+    save_model_checkpoint(chunks, str(folder))
+    with pytest.raises(UserError, match="is missing"):
+        list(read_checkpoint(str(tmp_path / "nothing"), read_hf_config(llama_path), value_head=False))
+    with pytest.raises(UserError, match=r"config\.json says 3"):  # the checkpoint of another model
+        config = read_hf_config(llama_path)
+        config.num_hidden_layers = 3
+        list(read_checkpoint(str(folder), config, value_head=False))
+    (folder / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(UserError, match="'zarr' format"):
+        list(read_checkpoint(str(folder), read_hf_config(llama_path), value_head=False))
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for shard in folder.glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(UserError, match=r"Cannot read .*No such file"):
+        list(read_checkpoint(str(folder), read_hf_config(llama_path), value_head=False))
+
+
+def test_rlx_export_writes_a_megatron_checkpoint_as_a_hugging_face_folder(
+        tiny_model_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A run folder as ``rlx train --backend megatron`` leaves it (config.yaml, a sealed checkpoint holding
+    actor/dist): ``rlx export`` writes a folder that ``from_pretrained`` loads, with the checkpoint's weights,
+    on a machine without a GPU."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from rlx import checkpoint
+    from rlx.registry import get_plugin_manager
+    from rlx.validate import load_config
+
+    emulate_cuda_placement(monkeypatch.setattr)
+    chunks, bridge, config = loaded_chunks(tiny_model_path, MegatronOptions())
+    with torch.no_grad():  # weights of its own, so the test sees the checkpoint's, not the model folder's
+        for p in chunks[0].parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    want = {n: t.clone() for n, t in export_hf(chunks, bridge, config, value_head=False, comm_device="cpu")}
+    run = tmp_path / "run"
+    run.mkdir()
+    resolved = load_config(get_plugin_manager(), preset="tiny", shortcuts={"backend": "megatron"},
+                           overrides=[f"trainer.output_dir={run}"])
+    (run / "config.yaml").write_text(yaml.safe_dump(resolved.as_dict(), sort_keys=False))
+    checkpoint.save(run / "checkpoints", 4, lambda tmp: save_model_checkpoint(chunks, str(tmp / "actor" / "dist")),
+                    {})
+    out = tmp_path / "hf"
+    proc = _rlx_with_megatron(tmp_path, "export", str(run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global_step_4" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    state = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, tensor in want.items():
+        assert torch.equal(state[name], tensor), name
+    assert torch.equal(state["lm_head.weight"], want["model.embed_tokens.weight"])  # tied
+    critic = _rlx_with_megatron(tmp_path, "export", str(run), "--out", str(tmp_path / "c"), "--role", "critic")
+    assert critic.returncode == 2 and "has no critic" in critic.stderr and "Traceback" not in critic.stderr
 
 
 # -- checks before anything starts -----------------------------------------------------------------------
@@ -461,7 +589,7 @@ def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_
     """float32 on one GPU (TF32 off): log-probs, entropies and values to 1e-4, the update's losses and gradient
     norms to 1e-4 relative, weights to 1e-5; the critic's head is seeded differently, so its values are
     compared after copying the torch critic's head in. A checkpoint written after the update and loaded into a
-    fresh worker repeats the next update (1e-6)."""
+    fresh worker repeats the next update (1e-6), and ``rlx export``'s reader gives its weights exactly."""
     from test_backend_torch import critic_batch, grpo_loss, make_batch
 
     from rlx.plugins.algorithms.base import CriticLoss
@@ -494,6 +622,17 @@ def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_
         torch.testing.assert_close(tensor.cpu(), t_weights[name].cpu(), atol=1e-5, rtol=0)
 
     m_actor.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = {n: t.detach().cpu().clone() for n, t in m_actor.named_weights()}
+    # rlx export's reader, in this process without megatron's model: the checkpoint's weights (with the
+    # optimizer's tensors beside them in the same folder)
+    from transformers import AutoModelForCausalLM
+
+    from rlx.plugins.backends.megatron_convert import export_checkpoint
+
+    export_checkpoint(str(tmp_path / "ckpt"), actor_spec, str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
     after = m_actor.update([extra], loss)
     resumed = MegatronWorker(actor_spec, MegatronOptions(), "cuda")
     resumed.load_checkpoint(str(tmp_path / "ckpt"))

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
     from rlx.batch import Batch
 
-DIST_DIR = "dist"
 INSTALL_HINT = "pip install 'rlx[megatron]' (megatron-core and mbridge)"
 
 
@@ -636,9 +635,9 @@ class MegatronWorker:
 
     def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
         """Rank 0 writes a Hugging Face folder from the gathered weights; the others take part in the gathers."""
-        import torch
         import torch.distributed as dist
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        from rlx.plugins.backends.megatron_convert import write_hf_folder
 
         rank = dist.get_rank()
         state = {}
@@ -646,15 +645,7 @@ class MegatronWorker:
             if rank == 0:
                 state[name] = tensor.to("cpu", copy=True)
         if rank == 0:
-            config = self.hf_config
-            if self.spec.value_head:
-                config.num_labels = 1
-            cls = AutoModelForTokenClassification if self.spec.value_head else AutoModelForCausalLM
-            with torch.device("meta"):
-                shell = cls.from_config(config)
-            shell.save_pretrained(path, state_dict=state, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
+            write_hf_folder(path, self.hf_config, state, value_head=self.spec.value_head, tokenizer=tokenizer)
         del state
         dist.barrier()
 
@@ -673,6 +664,8 @@ class MegatronWorker:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing, tensor_parallel
 
+        from rlx.plugins.backends.megatron_convert import DIST_DIR
+
         folder = os.path.join(path, DIST_DIR)
         if dist.get_rank() == 0:
             os.makedirs(folder, exist_ok=True)
@@ -690,6 +683,7 @@ class MegatronWorker:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         from rlx.checkpoint import torch_load
+        from rlx.plugins.backends.megatron_convert import DIST_DIR
 
         folder = os.path.join(path, DIST_DIR)
         if not os.path.isdir(folder):
@@ -770,6 +764,9 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
 
 @hookimpl
 def rlx_train_backends() -> list[Component]:
+    # rlx export reads the distributed checkpoints on the CPU without building the backend (extra's key
+    # "export_checkpoint", see rlx.components.Component).
     return [Component(kind="backend", name="megatron", factory=build, config_model=MegatronOptions,
                       summary="megatron-core GPT models (Qwen2, Llama): tensor and pipeline parallelism, "
-                              "bf16 with fp32 master weights, distributed checkpoints; GPUs only.")]
+                              "bf16 with fp32 master weights, distributed checkpoints; GPUs only.",
+                      extra={"export_checkpoint": "rlx.plugins.backends.megatron_convert:export_checkpoint"})]

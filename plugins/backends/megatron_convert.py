@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,10 @@ SUPPORTED_TYPES = ("qwen2", "llama")
 # Llama 3.1-style rope scaling with these constants is what megatron-core's ``rope_scaling`` implements.
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 VALUE_HEAD = ("score.weight", "score.bias")
+# Where a checkpoint's ``dist_checkpointing`` shards lie, under the role's checkpoint folder.
+DIST_DIR = "dist"
+# The model's tensors in a distributed checkpoint (the optimizer's start with "optimizer.").
+_MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
 
 
 def read_hf_config(path: str, trust_remote_code: bool = False) -> Any:
@@ -82,12 +87,19 @@ def check_architecture(hf_config: Any, path: str) -> None:
     rope_settings(hf_config)
 
 
-def make_bridge(hf_config: Any, dtype: torch.dtype, overrides: dict[str, Any]) -> Any:
+def make_bridge(hf_config: Any, dtype: torch.dtype, overrides: dict[str, Any], *, one_process: bool = False
+                ) -> Any:
     """mbridge's bridge for ``hf_config`` on the current megatron parallel state, its TransformerConfig
-    built with ``overrides`` (parallel layout, precision, recomputation)."""
+    built with ``overrides`` (parallel layout, precision, recomputation). ``one_process``: for converting
+    whole tensors in a process without megatron's groups (no layout at all)."""
     from mbridge import AutoBridge
 
-    bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    if one_process:
+        from mbridge.core.parallel_states import ParallelStates
+
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=ParallelStates())
+    else:
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype)
     bridge.set_extra_args(**overrides)
     return bridge
 
@@ -340,14 +352,21 @@ def export_hf(chunks: list[Any], bridge: Any, hf_config: Any, *, value_head: boo
                 shards = [torch.empty_like(t) for _ in range(tp_size)]
                 dist.all_gather(shards, t.contiguous(), group=tp_group)
                 t = bridge._weight_merge_across_tp(name, shards, _Sharded(dim))
-            names = hf_names(bridge, name, tied=tied, value_head=value_head)
-            if len(names) == 1:
-                yield names[0], t
-            else:
-                converted, tensors = bridge._weight_to_hf_format(name, t)
-                if list(converted) != names:
-                    raise RuntimeError(f"the bridge maps {name} to {converted}, expected {names}")
-                yield from zip(converted, tensors)
+            yield from to_hf(bridge, name, t, tied=tied, value_head=value_head)
+
+
+def to_hf(bridge: Any, name: str, tensor: torch.Tensor, *, tied: bool, value_head: bool
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of one whole (tensor-parallel-merged) megatron-core tensor with global name
+    ``name``: itself renamed, or a fused tensor (QKV, [gate; up]) cut by the bridge."""
+    names = hf_names(bridge, name, tied=tied, value_head=value_head)
+    if len(names) == 1:
+        yield names[0], tensor
+        return
+    converted, tensors = bridge._weight_to_hf_format(name, tensor)
+    if list(converted) != names:
+        raise RuntimeError(f"the bridge maps {name} to {converted}, expected {names}")
+    yield from zip(converted, tensors)
 
 
 class _Sharded:
@@ -357,3 +376,118 @@ class _Sharded:
     def __init__(self, partition_dim: int) -> None:
         self.tensor_model_parallel = True
         self.partition_dim = partition_dim
+
+
+# -- a distributed checkpoint -> HF, in one process ---------------------------------------------------------
+def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model weights of a ``dist_checkpointing`` folder (``torch_dist`` format: PyTorch's distributed
+    checkpoint with megatron-core's keys) as full Hugging Face tensors, read on the CPU in this one process
+    whatever layout wrote them: the shards of every TP/PP/DP rank are placed by their global offsets when read,
+    and the layers of one name are stacked along a leading axis (one entry per layer). One tensor in memory at
+    a time, in the dtype it was saved in (a bf16 run's parameters, not its fp32 master copies)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _dist_metadata(folder)
+    bridge = make_bridge(hf_config, torch.float32, {}, one_process=True)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    reader = dcp.FileSystemReader(folder)
+    layers = int(hf_config.num_hidden_layers)
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata) or not key.startswith(_MODEL_KEYS):
+            continue  # the optimizer's tensors, layers' extra state (bytes)
+        full = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({key: full}, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # a shard file missing or damaged
+            raise UserError(f"Cannot read {key} from {folder}: {_last_line(exc)}",
+                            "Export another checkpoint of the run.") from None
+        try:
+            if key.startswith("decoder.layers."):
+                if full.shape[0] != layers:
+                    raise UserError(f"{folder} holds {full.shape[0]} layers of {key}; the model's config.json "
+                                    f"says {layers}.", "Export with the model the run was trained from.")
+                for i in range(layers):
+                    name = key.replace("decoder.layers.", f"decoder.layers.{i}.", 1)
+                    yield from to_hf(bridge, name, full[i], tied=tied, value_head=value_head)
+            else:
+                yield from to_hf(bridge, key, full, tied=tied, value_head=value_head)
+        except (NotImplementedError, KeyError, ValueError, RuntimeError) as exc:
+            raise UserError(f"{folder}: cannot map the megatron tensor {key} to a Hugging Face name ({exc}).",
+                            "Export with the model the run was trained from (a Qwen2 or Llama folder).") from None
+
+
+def _dist_metadata(folder: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(folder):
+        raise UserError(f"{folder} is missing: the checkpoint was not written by the megatron backend, or is "
+                        "damaged.", "Export with the backend that wrote the checkpoint, or another checkpoint.")
+    try:
+        with open(os.path.join(folder, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UserError(f"{folder}/metadata.json cannot be read ({exc}): not a megatron-core distributed "
+                        "checkpoint.", "Export another checkpoint of the run.") from None
+    if backend != "torch_dist":
+        raise UserError(f"{folder} was written in megatron-core's {backend!r} format; rlx reads 'torch_dist' "
+                        "(what the megatron backend writes).", "Export a checkpoint written by rlx.")
+    try:
+        return dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # a missing or garbled .metadata
+        raise UserError(f"Cannot read {folder}/.metadata: {_last_line(exc)}",
+                        "Export another checkpoint of the run.") from None
+
+
+def _last_line(exc: BaseException) -> str:
+    """The cause of a checkpoint reader's error (DCP's message carries each rank's traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def write_hf_folder(path: str, hf_config: Any, state: dict[str, torch.Tensor], *, value_head: bool,
+                    tokenizer: Any = None) -> None:
+    """A Hugging Face folder (safetensors, config, generation config, tokenizer) from full tensors: a
+    ``*ForCausalLM``, or a ``*ForTokenClassification`` with one label for a critic. ``config.json`` records the
+    tensors' dtype. Every weight the architecture has must be in ``state`` (no silently random weights)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = copy.deepcopy(hf_config)
+    if value_head:
+        config.num_labels = 1
+    cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtype = floating[0] if floating else torch.float32
+    with torch.device("meta"):
+        shell = cls.from_config(config, dtype=dtype)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
+    wanted = set(shell.state_dict()) - ({"lm_head.weight"} if tied else set())
+    missing, unknown = sorted(wanted - set(state)), sorted(set(state) - wanted)
+    if missing or unknown:
+        raise UserError(f"The weights do not fit the model's config.json: missing {missing[:5]}, unexpected "
+                        f"{unknown[:5]}.", "Export with the model the run was trained from.")
+    shell.save_pretrained(path, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def export_checkpoint(checkpoint: str, spec: Any, out: str, tokenizer: Any = None) -> None:
+    """``rlx export`` for the megatron backend: a role's checkpoint folder (``checkpoint/dist``) to a Hugging
+    Face folder ``out``, in this one process on the CPU, without megatron-core's model or groups (its
+    distributed checkpoints otherwise load on GPUs only). ``spec`` is the role's ``RoleSpec``."""
+    hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
+    check_architecture(hf_config, spec.model_path)
+    with warnings.catch_warnings():
+        # Importing megatron-core and mbridge warns that Transformer Engine and apex are missing: no layer is
+        # built here, so neither matters.
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        state = dict(read_checkpoint(os.path.join(checkpoint, DIST_DIR), hf_config, value_head=spec.value_head))
+    write_hf_folder(out, hf_config, state, value_head=spec.value_head, tokenizer=tokenizer)
