@@ -3,8 +3,9 @@
 The backend that wrote the checkpoint (recorded in the run's ``config.yaml``) loads it in this one process
 and writes the folder, so every backend's own format works, sharded ones included (a checkpoint written by
 N ranks loads into one). A backend whose checkpoints load only where it trains (megatron: GPUs) gives its own
-exporter (``Component.extra["export_checkpoint"]``), which reads the checkpoint without building the backend. The checkpoint is verified first, like a resume, and the folder is written
-atomically (a temporary folder renamed into place).
+exporter (``Component.extra["export_checkpoint"]``), which reads the checkpoint without building the backend.
+The checkpoint is verified first, like a resume, and the folder is written atomically (a temporary folder
+renamed into place).
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from rlx.plugins.backends.megatron_convert import (
     make_bridge,
     read_checkpoint,
     read_hf_config,
+    sdpa_attention_class,
 )
 
 pytestmark = pytest.mark.megatron
@@ -132,10 +133,11 @@ def emulate_cuda_placement(setattr_: Any) -> None:
 
 
 def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_head: bool = False,
-                      head: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                      head: dict[str, torch.Tensor] | None = None, head_chunk: int = 0) -> dict[str, Any]:
     """The backend's forward pass (``run_model`` + ``model_outputs``) on ``batch``, then the gradients of
     sum((log_probs + 0.1 entropy) * mask) (or of sum(values^2)) as full tensors with Hugging Face names
-    (each parameter's gradient written into it, then exported like weights)."""
+    (each parameter's gradient written into it, then exported like weights). ``head_chunk`` > 0: the chunked
+    head, that many response positions at a time."""
     config = read_hf_config(path)
     bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
     chunks = build_chunks(bridge, config, value_head=value_head, use_te=False, vpp=None, device="cpu")
@@ -144,8 +146,8 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
         with torch.no_grad():
             chunks[0].output_layer.weight.copy_(head["weight"])
             chunks[0].output_layer.bias.copy_(head["bias"])
-    output, where = run_model(chunks[0], batch, 1)
-    out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True)
+    output, where = run_model(chunks[0], batch, 1, head_chunk)
+    out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True, head_done=head_chunk > 0)
     if value_head:
         loss = (out["values"] ** 2).sum()
     else:
@@ -263,6 +265,8 @@ def _rank_main(rank: int, world: int, port: int, tiny: str, llama: str, out: str
         mpu.initialize_model_parallel(2, 1)
         res["vocab"] = _vocab_parallel_case(rank)
         res["forward"] = forward_and_grads(llama, MegatronOptions(tensor_model_parallel_size=2), forward_batch())
+        res["forward_chunked"] = forward_and_grads(llama, MegatronOptions(tensor_model_parallel_size=2),
+                                                   forward_batch(), head_chunk=5)
         mpu.destroy_model_parallel()
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -374,12 +378,65 @@ def test_tensor_parallel_forward_and_gradients_match_one_rank(
     emulate_cuda_placement(monkeypatch.setattr)
     one = forward_and_grads(llama_path, MegatronOptions(), forward_batch())
     for rank in two_ranks:
-        got = rank["forward"]
-        for key in ("log_probs", "entropy"):
-            torch.testing.assert_close(got[key], one[key], atol=1e-5, rtol=1e-5)
-        assert set(got["grads"]) == set(one["grads"])
-        for name, grad in one["grads"].items():
-            torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        for got in (rank["forward"], rank["forward_chunked"]):
+            for key in ("log_probs", "entropy"):
+                torch.testing.assert_close(got[key], one[key], atol=1e-5, rtol=1e-5)
+            assert set(got["grads"]) == set(one["grads"])
+            for name, grad in one["grads"].items():
+                torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama"])
+def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
+        which: str, tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor.log_prob_chunk_size: the head's logits formed 5 response positions at a time (several chunks per
+    row, one crossing rows), each chunk recomputed in the backward pass, give the full head's log-probs,
+    entropies and every weight's gradient (float32, 1e-6); tied (Qwen2: the embedding is the head) and untied."""
+    emulate_cuda_placement(monkeypatch.setattr)
+    path = llama_path if which == "llama" else tiny_model_path
+    full = forward_and_grads(path, MegatronOptions(), forward_batch())
+    chunked = forward_and_grads(path, MegatronOptions(), forward_batch(), head_chunk=5)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(chunked[key], full[key], atol=1e-6, rtol=1e-6)
+    assert set(chunked["grads"]) == set(full["grads"])
+    for name, grad in full["grads"].items():
+        torch.testing.assert_close(chunked["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
+        llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Transformer Engine the layers' attention core is PyTorch's scaled_dot_product_attention: the
+    outputs and input gradients of megatron-core's own DotProductAttention (causal, GQA 4:2; float32, 1e-6),
+    and megatron-core's path where rlx's conditions do not hold (an explicit mask)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    emulate_cuda_placement(monkeypatch.setattr)
+    config = read_hf_config(llama_path)
+    bridge = make_bridge(config, torch.float32, config_overrides(MegatronOptions(), torch.float32, on_cpu=True))
+    fused_cls = sdpa_attention_class()
+    chunk = build_chunks(bridge, config, value_head=False, use_te=False, vpp=None, device="cpu")[0]
+    assert all(type(layer.self_attention.core_attention) is fused_cls for layer in chunk.decoder.layers)
+    fused = fused_cls(bridge.config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    plain = DotProductAttention(bridge.config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                attention_type="self")
+    g = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(7, 3, heads, 16, generator=g) for heads in (4, 2, 2)]  # [s, b, heads, d]
+
+    def run(module: Any, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = module(*leaves, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
+
+    (want, want_grads), (got, got_grads) = run(plain), run(fused)
+    assert got.shape == (7, 3, 64)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    mask = torch.rand(3, 1, 7, 7, generator=g) > 0.7  # True = masked out (megatron's convention)
+    mask &= ~torch.eye(7, dtype=torch.bool)
+    torch.testing.assert_close(run(fused, mask)[0], run(plain, mask)[0], atol=0, rtol=0)
 
 
 # -- distributed checkpoints -> Hugging Face in one CPU process (rlx export) ---------------------------------

@@ -32,6 +32,7 @@ group. Packed (THD) sequences and context parallelism are not built yet.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -305,26 +306,141 @@ def _vocab_parallel_function() -> type:
     return VocabParallelLogProbs
 
 
-def run_model(model: Any, micro: Batch, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies (n,), float32, from hidden states (n, H) and this TP rank's
+    shard of the head (V/tp, H): the logits of ``chunk`` positions at a time, in the compute dtype, reduced
+    in float32 over the TP group (:func:`vocab_parallel_log_probs`). With gradients each chunk is
+    checkpointed: its logits are formed again in the backward pass, so no (n, V/tp) tensor is kept. Entropy
+    is 0 unless ``with_entropy``."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from torch.utils.checkpoint import checkpoint
+
+    group = mpu.get_tensor_model_parallel_group()
+    vocab_start = mpu.get_tensor_model_parallel_rank() * weight.shape[0]
+
+    def one(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.nn.functional.linear(h, weight).float() / temperature
+        lp, ent = vocab_parallel_log_probs(z, t, group, vocab_start, with_entropy)
+        return lp, ent if ent is not None else torch.zeros_like(lp)
+
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = [checkpoint(one, hidden[s:s + chunk], targets[s:s + chunk], use_reentrant=False) if keep
+             else one(hidden[s:s + chunk], targets[s:s + chunk]) for s in range(0, hidden.shape[0], chunk)]
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
+def contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself; in the backward pass its gradient is made contiguous."""
+    global _CONTIGUOUS_GRAD
+    if _CONTIGUOUS_GRAD is None:
+        import torch
+
+        class ContiguousGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                return g.contiguous()
+
+        _CONTIGUOUS_GRAD = ContiguousGrad
+    return _CONTIGUOUS_GRAD.apply(t)
+
+
+_CONTIGUOUS_GRAD: Any = None
+
+
+@contextlib.contextmanager
+def head_replaced(head: Any, where: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
+                  with_entropy: bool) -> Iterator[None]:
+    """While inside, the last stage's ``output_layer`` (megatron-core's ``ColumnParallelLinear``) forms no
+    logits: it receives an empty sequence, and its output becomes :func:`chunked_head`'s log-probs and
+    entropies at the response positions ``where`` (b, R), stacked as (R, b, 2), which GPTModel returns
+    (transposed) as its logits. The hidden states reach the head as the layer itself would take them: all-gathered
+    over the sequence under sequence parallelism (gradients reduce-scattered), otherwise copied into the TP
+    region (gradients all-reduced); the weight is the one GPTModel passes (the embedding's when tied)."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    taken: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        taken.append((args[0], kwargs.get("weight")))
+        return (args[0][:0], *args[1:]), kwargs
+
+    def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> tuple[torch.Tensor, None]:
+        hidden, weight = taken.pop()  # (s or s/tp, b, H)
+        # (megatron-core's mappings reduce a non-contiguous gradient into a copy and return it unreduced:
+        # contiguous_grad hands them contiguous ones)
+        if module.sequence_parallel:
+            hidden = contiguous_grad(gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True))
+        b, r = where.shape
+        picked = hidden.transpose(0, 1).gather(1, where[..., None].expand(-1, -1, hidden.shape[-1]))  # (b, R, H)
+        if not module.sequence_parallel:
+            picked = contiguous_grad(copy_to_tensor_model_parallel_region(picked))
+        lp, ent = chunked_head(picked.reshape(b * r, -1), module.weight if weight is None else weight,
+                               targets.reshape(-1), temperature, chunk, with_entropy)
+        return torch.stack([lp, ent], dim=-1).view(b, r, 2).transpose(0, 1), None
+
+    handles = [head.register_forward_pre_hook(before, with_kwargs=True),
+               head.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with_entropy: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """One model chunk's forward pass on ``micro``: (its output: logits (b, L, V/tp), values (b, L, 1) or,
-    before the last pipeline stage, hidden states; the positions (b, R) that score the response tokens)."""
+    before the last pipeline stage, hidden states; the positions (b, R) that score the response tokens).
+    ``head_chunk`` > 0 on a last stage with a language-model head: the output is the response tokens' log-probs
+    and entropies (b, R, 2) from :func:`head_replaced`, never the logits of every position."""
     import torch
 
     ids, where = right_aligned(micro, multiple)
     positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    inner = getattr(model, "module", model)  # megatron's DDP wraps a trainable chunk
+    if head_chunk and inner.post_process and is_lm_head(inner.output_layer):
+        responses = micro["responses"].to(ids.device)
+        with head_replaced(inner.output_layer, where, responses, float(micro.meta.get("temperature", 1.0)),
+                           head_chunk, with_entropy):
+            return model(ids, positions, None), where
     return model(ids, positions, None), where
 
 
+def is_lm_head(layer: Any) -> bool:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return isinstance(layer, ColumnParallelLinear)
+
+
 def model_outputs(output: torch.Tensor, where: torch.Tensor, micro: Batch, *, value_head: bool,
-                  with_entropy: bool) -> dict[str, torch.Tensor]:
+                  with_entropy: bool, head_done: bool = False) -> dict[str, torch.Tensor]:
     """A role's per-token outputs (b, R) from the last stage's output, 0 at padding: ``values``, or
-    ``log_probs`` (and ``entropy``) at ``micro.meta["temperature"]`` from this TP rank's vocabulary shard."""
+    ``log_probs`` (and ``entropy``) at ``micro.meta["temperature"]`` from this TP rank's vocabulary shard
+    (``head_done``: the output already holds them, from :func:`run_model`'s chunked head)."""
     from megatron.core import parallel_state as mpu
 
     mask = micro["response_mask"].to(output.device)
     if value_head:
         values = output.float().gather(1, where[..., None]).squeeze(-1)
         return {"values": values * mask}
+    if head_done:
+        out = {"log_probs": output[..., 0] * mask}
+        if with_entropy:
+            out["entropy"] = output[..., 1] * mask
+        return out
     logits = output.gather(1, where[..., None].expand(-1, -1, output.shape[-1]))  # (b, R, V/tp)
     logits = logits.float() / float(micro.meta.get("temperature", 1.0))
     vocab_start = mpu.get_tensor_model_parallel_rank() * output.shape[-1]
@@ -391,6 +507,10 @@ class MegatronWorker:
             if extra.get("use_dynamic_bsz") else None
         self.forward_budget = (int(extra["log_prob_max_token_len"]), str(extra["log_prob_max_token_len_option"])) \
             if extra.get("use_dynamic_bsz") else None
+        # actor.log_prob_chunk_size: the head's logits a chunk of response positions at a time (0: all at once)
+        from rlx.plugins.backends.torch_local import DEFAULT_CHUNK_SIZE
+
+        self.head_chunk = 0 if spec.value_head else int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
         self.steps = 0
         self.optimizer: Any = None
         if spec.trainable:
@@ -441,12 +561,14 @@ class MegatronWorker:
                         group=mpu.get_data_parallel_group())
         return [float(v) for v in t.tolist()]
 
-    def _run_chunk(self, model: Any, micro: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_model(model, micro, self.tp_size if self.options.sequence_parallel else 1)
+    def _run_chunk(self, model: Any, micro: Batch, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_model(model, micro, self.tp_size if self.options.sequence_parallel else 1, self.head_chunk,
+                         with_entropy)
 
     def _outputs(self, output: torch.Tensor, where: torch.Tensor, micro: Batch, with_entropy: bool
                  ) -> dict[str, torch.Tensor]:
-        return model_outputs(output, where, micro, value_head=self.spec.value_head, with_entropy=with_entropy)
+        return model_outputs(output, where, micro, value_head=self.spec.value_head, with_entropy=with_entropy,
+                             head_done=self.head_chunk > 0)
 
     def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         import contextlib
@@ -515,7 +637,7 @@ class MegatronWorker:
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
         if self.pp_size == 1:
             def one(mb: Batch) -> dict[str, torch.Tensor]:
-                output, where = self._run_chunk(self.model[0], mb)
+                output, where = self._run_chunk(self.model[0], mb, with_entropy)
                 return {k: v.cpu() for k, v in self._outputs(output, where, mb, with_entropy).items()}
 
             return self._eval(lambda: Batch(run_forward(self, batch, size, one, budget=self.forward_budget)))
@@ -576,7 +698,7 @@ class MegatronWorker:
 
         def step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
-            output, where = self._run_chunk(model, micro)
+            output, where = self._run_chunk(model, micro, with_entropy)
 
             def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 outputs = self._outputs(out, where, micro, with_entropy)

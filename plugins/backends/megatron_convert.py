@@ -105,7 +105,8 @@ def make_bridge(hf_config: Any, dtype: torch.dtype, overrides: dict[str, Any], *
 
 
 def layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
-    """Transformer Engine's fused layers when ``use_te``, else megatron-core's local (plain torch) layers."""
+    """Transformer Engine's fused layers when ``use_te``, else megatron-core's local (plain torch) layers with
+    PyTorch's fused attention (:func:`sdpa_attention_class`) as the attention core."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -113,7 +114,52 @@ def layer_spec(config: Any, use_te: bool, vp_stage: int | None) -> Any:
 
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    return spec
+
+
+_SDPA: type | None = None
+
+
+def sdpa_attention_class() -> type:
+    """megatron-core's local ``DotProductAttention`` with its forward pass on
+    ``torch.nn.functional.scaled_dot_product_attention`` (flash or memory-efficient kernels on a GPU, never
+    the (query, key) score matrix in memory), for causal self-attention without dropout, mask or bias, as
+    rlx runs it. Anything else (attention dropout, an explicit mask, query-key layer scaling, another
+    softmax) takes megatron-core's own path. The weights, names and checkpoints are the parent's."""
+    global _SDPA
+    if _SDPA is not None:
+        return _SDPA
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPAttention(DotProductAttention):
+        def _fused(self, attention_mask: Any, attn_mask_type: Any, attention_bias: Any,
+                   packed_seq_params: Any) -> bool:
+            kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            dropout = self.attention_dropout.p if self.training else 0.0
+            return (attention_mask is None and attention_bias is None and packed_seq_params is None
+                    and kind == AttnMaskType.causal and dropout == 0.0 and self.softmax_offset is None
+                    and not self.config.apply_query_key_layer_scaling and self.scale_mask_softmax.window_size is None)
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None
+                    ) -> torch.Tensor:
+            if not self._fused(attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            # [s, b, heads, d] -> [b, heads, s, d]; key/value hold the query groups (GQA)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            groups = q.size(1) // k.size(1)
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=groups > 1)
+            # [b, heads, s, d] -> [s, b, heads * d]
+            return context.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+
+    _SDPA = SDPAttention
+    return SDPAttention
 
 
 def _value_head_class() -> type:
