@@ -92,7 +92,8 @@ def gradients_at_step(worker: TorchWorker) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_dynamic_update_equals_the_fixed_one(model_path, packed):
     """One step on 8 sequences: one micro-batch of 8 rows, or micro-batches of at most 25 tokens: the same
-    accumulated gradient (1e-5 of each tensor's largest entry), and padded, the same weights after AdamW.
+    accumulated gradient (1e-5 of each tensor's largest entry), and padded, the same weights after AdamW where
+    the gradient is not near zero.
     (Packed, each grouping is another attention shape whose rounding AdamW's first step magnifies on
     gradients near zero: the weights are compared through the gradients.)"""
     fixed = make(model_path, use_remove_padding=packed)
@@ -111,9 +112,17 @@ def test_dynamic_update_equals_the_fixed_one(model_path, packed):
     for k, g in grads_fixed.items():
         torch.testing.assert_close(grads_varied[k], g, atol=1e-5 * float(g.abs().max()), rtol=0, msg=k)
     if not packed:
+        # AdamW's first step moves a weight by lr * g / (|g| + eps), about lr * sign(g): compared where the
+        # gradient stands well above the rounding another grouping adds (1e-5 of the largest, as above);
+        # nearer zero a rounding can flip the sign on some CPUs, and the gradients were compared instead.
         after = weights(varied)
         for k, v in weights(fixed).items():
-            torch.testing.assert_close(after[k], v, atol=1e-6, rtol=0, msg=k)
+            if k not in grads_fixed:  # a tied head: its weight is the embedding's
+                continue
+            g = grads_fixed[k].abs()
+            sure = g > 1e-4 * float(g.max())
+            assert sure.float().mean() > 0.5, k
+            torch.testing.assert_close(after[k][sure], v[sure], atol=1e-6, rtol=0, msg=k)
     assert m_dyn["grad_norm"] == pytest.approx(m_fixed["grad_norm"], rel=1e-5)
     for key in ("actor/entropy", "actor/pg_clipfrac", "actor/pg_loss"):
         assert m_dyn[key] == pytest.approx(m_fixed[key], rel=1e-5, abs=1e-7), key
