@@ -2,7 +2,7 @@
 
     python benchmarks/megatron_step.py learn [--seeds 1 2 3] [--steps 120]
     python benchmarks/megatron_step.py tp-agreement                  # needs 2 GPUs
-    python benchmarks/megatron_step.py step [--shape 0.5b 1.5b] [--gpus 1] [--tp 1] [--pp 1]
+    python benchmarks/megatron_step.py step [--shape 0.5b 1.5b] [--gpus 1] [--tp 1] [--pp 1] [--head-chunk 0 1024]
 
 ``learn``: ``rlx train --preset tiny --backend megatron trainer.device=cuda`` (GRPO on the built-in
 arithmetic task) per seed; prints greedy accuracy on builtin:arith-test before and after training and the
@@ -131,7 +131,8 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
     try:
         spec = RoleSpec(role="actor", model_path=job["path"], trainable=True,
                         dtype="float32" if job["float32"] else "bfloat16", lr=job["lr"], weight_decay=0.0,
-                        micro_batch_size=job["micro"], gradient_checkpointing=job["checkpointing"], seed=0)
+                        micro_batch_size=job["micro"], gradient_checkpointing=job["checkpointing"], seed=0,
+                        extra={"log_prob_chunk_size": job.get("head_chunk", 1024)})
         options = MegatronOptions(tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
                                   sequence_parallel=job["tp"] > 1 and job["sp"])
         worker = MegatronWorker(spec, options, "cuda")
@@ -221,17 +222,17 @@ def flops_per_token(shape: dict[str, int], seq: int) -> float:
 def step(args: argparse.Namespace) -> None:
     peak = matmul_tflops()
     print(f"bf16 matmul: {peak:.0f} TFLOP/s measured")
-    print("| shape | GPUs | TP | PP | rows/GPU | tokens/row | log-prob pass s | update s | tokens/s/GPU | MFU | "
-          "peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.shape:
+    print("| shape | GPUs | TP | PP | head chunk | rows/GPU | tokens/row | log-prob pass s | update s | tokens/s/GPU | "
+          "MFU | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, chunk in ((name, chunk) for name in args.shape for chunk in args.head_chunk):
         shape = SHAPES[name]
         with tempfile.TemporaryDirectory() as tmp:
             build_model(tmp, shape)
             job = {"path": tmp, "float32": False, "lr": 1e-6, "micro": args.micro, "checkpointing": args.checkpointing,
                    "tp": args.tp, "pp": args.pp, "sp": args.sequence_parallel, "rows": args.rows,
                    "prompt": args.prompt, "response": args.response, "vocab": shape["vocab_size"],
-                   "warmup": args.warmup, "steps": args.steps}
+                   "warmup": args.warmup, "steps": args.steps, "head_chunk": chunk}
             ranks = run_job(job, args.gpus)
         lp = max(sum(r["times"]["log_prob"]) / len(r["times"]["log_prob"]) for r in ranks)
         up = max(sum(r["times"]["update"]) / len(r["times"]["update"]) for r in ranks)
@@ -240,7 +241,8 @@ def step(args: argparse.Namespace) -> None:
         tokens = args.rows * dp * seq  # every data-parallel rank holds args.rows rows
         flops = tokens * flops_per_token(shape, seq) * (1 + 1 / 3)
         mfu = flops / (lp + up) / args.gpus / (peak * 1e12)
-        print(f"| {name} | {args.gpus} | {args.tp} | {args.pp} | {args.rows * dp // args.gpus} | {seq} | {lp:.3f} | "
+        print(f"| {name} | {args.gpus} | {args.tp} | {args.pp} | {chunk or 'off'} | {args.rows * dp // args.gpus} | "
+              f"{seq} | {lp:.3f} | "
               f"{up:.3f} | {tokens / (lp + up) / args.gpus:.0f} | {mfu:.1%} | "
               f"{max(r['peak_gib'] for r in ranks):.1f} |")
 
@@ -266,6 +268,8 @@ def main() -> None:
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--head-chunk", nargs="+", type=int, default=[1024],
+                   help="actor.log_prob_chunk_size values to run (0: the full head); one row each")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
