@@ -525,7 +525,8 @@ def test_rlx_export_writes_a_megatron_checkpoint_as_a_hugging_face_folder(
     proc = _rlx_with_megatron(tmp_path, "export", str(run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "global_step_4" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
-    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
     state = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for name, tensor in want.items():
         assert torch.equal(state[name], tensor), name
