@@ -583,12 +583,19 @@ def test_unsupported_architectures_are_user_errors(tmp_path: Path) -> None:
         read_hf_config(str(tmp_path))
 
 
-def test_missing_megatron_core_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_megatron_core_is_a_user_error(monkeypatch: pytest.MonkeyPatch, tiny_model_path: str,
+                                               tmp_path: Path) -> None:
+    from rlx.plugins.backends.megatron_convert import export_checkpoint
+    from rlx.protocols import RoleSpec
+
     require_megatron()
     monkeypatch.setitem(sys.modules, "mbridge", None)
     with pytest.raises(UserError, match="needs mbridge") as info:
         require_megatron()
     assert "rlx[megatron]" in str(info.value.hint if hasattr(info.value, "hint") else info.value)
+    spec = RoleSpec(role="actor", model_path=tiny_model_path, trainable=False)
+    with pytest.raises(UserError, match="rlx export of a megatron checkpoint needs mbridge"):
+        export_checkpoint(str(tmp_path), spec, str(tmp_path / "out"))
 
 
 def test_build_checks_layout_model_and_device(tiny_model_path: str) -> None:

@@ -83,14 +83,14 @@ class MegatronOptions(BaseModel):
 
 
 # -- checks that need no torch --------------------------------------------------------------------------
-def require_megatron() -> None:
+def require_megatron(needed_for: str = "--backend megatron") -> None:
     for module, what in (("megatron.core", "megatron-core"), ("mbridge", "mbridge")):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise UserError(f"--backend megatron needs {what}, which is not installed.", INSTALL_HINT)
+            raise UserError(f"{needed_for} needs {what}, which is not installed.", INSTALL_HINT)
 
 
 def layout_problems(options: MegatronOptions, world_size: int | None, hf_config: Any = None) -> list[str]:

@@ -528,6 +528,9 @@ def export_checkpoint(checkpoint: str, spec: Any, out: str, tokenizer: Any = Non
     """``rlx export`` for the megatron backend: a role's checkpoint folder (``checkpoint/dist``) to a Hugging
     Face folder ``out``, in this one process on the CPU, without megatron-core's model or groups (its
     distributed checkpoints otherwise load on GPUs only). ``spec`` is the role's ``RoleSpec``."""
+    from rlx.plugins.backends.megatron import require_megatron
+
+    require_megatron("rlx export of a megatron checkpoint")  # the bridge's tensor conversions
     hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
     check_architecture(hf_config, spec.model_path)
     with warnings.catch_warnings():
