@@ -40,6 +40,10 @@ ATOL, RTOL = 1e-6, 1e-5
 # The key projection's bias has a zero gradient in exact arithmetic (a softmax ignores a constant added
 # to all of a query's scores); AdamW normalises its rounding noise, which differs with the summation order.
 NOISE_ONLY, NOISE_ATOL = "k_proj.bias", 1e-5
+# The policy loss is a sum of terms of both signs (advantages above and below the mean), so its relative
+# error grows where they cancel: at 0.203 it differed by 3.7e-6 (1.8e-5 relative) between 1 and 2 ranks on
+# an AMD EPYC, every other metric within 5e-6 relative. It is compared to this absolute tolerance too.
+SIGNED_LOSSES, SIGNED_ATOL = ("actor/pg_loss",), 2e-5
 # A warm-up and a cosine schedule, so that a resumed step uses the restored scheduler's lr.
 SCHEDULE = {"warmup_steps": 2, "total_steps": 8, "lr_schedule": "cosine"}
 
@@ -214,7 +218,8 @@ def assert_metrics(got: list[dict[str, float]], want: list[dict[str, float]], wh
     for step, (g, w) in enumerate(zip(got, want)):
         assert sorted(g) == sorted(w), what
         for k in w:
-            assert g[k] == pytest.approx(w[k], rel=RTOL, abs=1e-7), f"{what} step {step}: {k}"
+            atol = SIGNED_ATOL if k in SIGNED_LOSSES else 1e-7
+            assert g[k] == pytest.approx(w[k], rel=RTOL, abs=atol), f"{what} step {step}: {k}"
 
 
 # -------------------------------------------------------------------------------------------------
