@@ -199,14 +199,14 @@ def test_reference_is_the_base_with_the_adapter_off(ranks: dict[str, Any], refer
 
 def test_checkpoint_holds_the_adapters_and_resumes_exactly(ranks: dict[str, Any], reference: dict[str, Any]) -> None:
     from rlx.lora import is_adapter
-    from rlx.plugins.backends.fsdp import _safe_reader
+    from rlx.plugins.backends.fsdp import safe_dcp_reader
 
     for r, res in enumerate(ranks["ranks"]):
         assert_metrics(res["extra_metrics"], reference["extra_metrics"], f"uninterrupted, rank {r}")
         assert_weights(res["extra_weights"], reference["extra_weights"], f"uninterrupted, rank {r}")
         assert res["resumed_metrics"] == res["extra_metrics"]
         assert_weights(res["resumed_weights"], res["extra_weights"], f"resumed, rank {r}", atol=0)
-    keys = list(_safe_reader(str(ranks["out"] / "ckpt" / "dcp")).read_metadata().state_dict_metadata)
+    keys = list(safe_dcp_reader(str(ranks["out"] / "ckpt" / "dcp")).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all(is_adapter(k) for k in model_keys)  # the frozen base is not written
     assert any(k.startswith("optim.") for k in keys)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import sys
 from pathlib import Path
@@ -473,6 +474,16 @@ def test_a_checkpoint_written_by_two_ranks_reads_in_one_process(case: str, two_r
         assert torch.equal(got[name], tensor), (case, name)
 
 
+class _Planted:
+    """Unpickling this creates the file ``path`` (it must never happen)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
 def test_reading_a_damaged_or_foreign_checkpoint_is_a_user_error(
         tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
@@ -490,6 +501,15 @@ def test_reading_a_damaged_or_foreign_checkpoint_is_a_user_error(
     with pytest.raises(UserError, match="'zarr' format"):
         list(read_checkpoint(str(folder), read_hf_config(llama_path), value_head=False))
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    # the index is read without running code: a planted pickle is refused and never runs
+    index = (folder / ".metadata").read_bytes()
+    ran = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted(str(ran))))
+    with pytest.raises(UserError, match="Refused to load"):
+        list(read_checkpoint(str(folder), read_hf_config(llama_path), value_head=False))
+    assert not ran.exists()
+    (folder / ".metadata").write_bytes(index)
+    assert len(list(read_checkpoint(str(folder), read_hf_config(llama_path), value_head=False))) > 0
     for shard in folder.glob("*.distcp"):
         shard.unlink()
     with pytest.raises(UserError, match=r"Cannot read .*No such file"):

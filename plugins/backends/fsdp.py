@@ -155,6 +155,10 @@ _METADATA_GLOBALS = {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {
+    # megatron-core's torch_dist checkpoints (read by rlx export) keep every rank's save plan in the index
+    ("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
@@ -196,7 +200,7 @@ def read_dcp_metadata(stream: Any, path: str) -> Any:
     return metadata
 
 
-def _safe_reader(path: str) -> Any:
+def safe_dcp_reader(path: str) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -590,7 +594,7 @@ class FSDPWorker(TorchWorker):
         """A checkpoint written with LoRA resumes only with LoRA, and one without only without."""
         from rlx.lora import is_adapter
 
-        metadata = _safe_reader(folder).read_metadata()
+        metadata = safe_dcp_reader(folder).read_metadata()
         written = any(is_adapter(key) for key in metadata.state_dict_metadata if key.startswith("model."))
         if written != (self.lora is not None):
             how = "with LoRA adapters" if written else "without LoRA (all weights)"
@@ -630,7 +634,7 @@ class FSDPWorker(TorchWorker):
         self._check_lora_matches(folder, path)
         state = self._state()
         try:
-            dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner())
+            dcp.load(state, storage_reader=safe_dcp_reader(folder), planner=_safe_planner())
         except UserError:
             raise
         except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure into one text

@@ -436,10 +436,12 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from rlx.plugins.backends.fsdp import safe_dcp_reader
+
     metadata = _dist_metadata(folder)
     bridge = make_bridge(hf_config, torch.float32, {}, one_process=True)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
-    reader = dcp.FileSystemReader(folder)
+    reader = safe_dcp_reader(folder)  # the index read without running code; tensors with weights_only
     layers = int(hf_config.num_hidden_layers)
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata) or not key.startswith(_MODEL_KEYS):
@@ -468,7 +470,7 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
 
 
 def _dist_metadata(folder: str) -> Any:
-    import torch.distributed.checkpoint as dcp
+    from rlx.plugins.backends.fsdp import safe_dcp_reader
 
     if not os.path.isdir(folder):
         raise UserError(f"{folder} is missing: the checkpoint was not written by the megatron backend, or is "
@@ -483,7 +485,9 @@ def _dist_metadata(folder: str) -> Any:
         raise UserError(f"{folder} was written in megatron-core's {backend!r} format; rlx reads 'torch_dist' "
                         "(what the megatron backend writes).", "Export a checkpoint written by rlx.")
     try:
-        return dcp.FileSystemReader(folder).read_metadata()
+        return safe_dcp_reader(folder).read_metadata()
+    except UserError:
+        raise
     except Exception as exc:  # a missing or garbled .metadata
         raise UserError(f"Cannot read {folder}/.metadata: {_last_line(exc)}",
                         "Export another checkpoint of the run.") from None
