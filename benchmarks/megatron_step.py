@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlx.plugins.backends.torch_local import DEFAULT_CHUNK_SIZE
+
 SHAPES = {
     "0.5b": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2},
@@ -132,7 +134,7 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
         spec = RoleSpec(role="actor", model_path=job["path"], trainable=True,
                         dtype="float32" if job["float32"] else "bfloat16", lr=job["lr"], weight_decay=0.0,
                         micro_batch_size=job["micro"], gradient_checkpointing=job["checkpointing"], seed=0,
-                        extra={"log_prob_chunk_size": job.get("head_chunk", 1024)})
+                        extra={"log_prob_chunk_size": job.get("head_chunk", DEFAULT_CHUNK_SIZE)})
         options = MegatronOptions(tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
                                   sequence_parallel=job["tp"] > 1 and job["sp"])
         worker = MegatronWorker(spec, options, "cuda")
@@ -268,7 +270,7 @@ def main() -> None:
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--checkpointing", action="store_true")
-    p.add_argument("--head-chunk", nargs="+", type=int, default=[1024],
+    p.add_argument("--head-chunk", nargs="+", type=int, default=[DEFAULT_CHUNK_SIZE],
                    help="actor.log_prob_chunk_size values to run (0: the full head); one row each")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)

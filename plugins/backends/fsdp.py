@@ -205,23 +205,34 @@ def safe_dcp_reader(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with metadata read by :func:`read_dcp_metadata` instead of ``pickle.load``;
-        the tensor payloads themselves are read by DCP with ``torch.load(weights_only=True)``."""
+        """DCP's file reader with metadata read by :func:`read_dcp_metadata` instead of ``pickle.load``
+        (once per reader: each ``dcp.load`` asks again); the tensor payloads themselves are read by DCP with
+        ``torch.load(weights_only=True)``."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             meta_path = self._get_metadata_path(kwargs.get("rank"))
-            try:
-                with self.fs.create_stream(meta_path, "rb") as stream:
-                    metadata = read_dcp_metadata(stream, str(meta_path))
-            except FileNotFoundError:
-                raise UserError(f"{meta_path} is missing: {path} is not a complete sharded checkpoint.",
-                                "Resume from another checkpoint.") from None
+            read: dict[str, Any] = self.__dict__.setdefault("_rlx_read", {})
+            metadata = read.get(str(meta_path))
+            if metadata is None:
+                try:
+                    with self.fs.create_stream(meta_path, "rb") as stream:
+                        metadata = read_dcp_metadata(stream, str(meta_path))
+                except FileNotFoundError:
+                    raise UserError(f"{meta_path} is missing: {path} is not a complete sharded checkpoint.",
+                                    "Resume from another checkpoint.") from None
+                read[str(meta_path)] = metadata
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeFileSystemReader(path)
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """The cause of a failed DCP read in one line (DCP gathers every rank's traceback into one text)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _safe_planner() -> Any:
@@ -643,8 +654,7 @@ class FSDPWorker(TorchWorker):
                 reason = text[text.index("Refused to load"):].splitlines()[0]
                 raise UserError(reason, "rlx never unpickles arbitrary objects from checkpoints. Resume from "
                                 "a checkpoint written by rlx.") from None
-            last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [type(exc).__name__]
-            raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {last[0].strip()}",
+            raise UserError(f"Cannot load {folder} into the {self.spec.role} model: {dcp_failure(exc)}",
                             "The checkpoint is damaged or belongs to another model or optimizer; resume "
                             "from another checkpoint, with the model the run was started with.") from None
         # under LoRA the state holds the adapters alone: the base keeps the weights loaded from model.path

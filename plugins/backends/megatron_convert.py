@@ -436,12 +436,11 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlx.plugins.backends.fsdp import safe_dcp_reader
+    from rlx.plugins.backends.fsdp import dcp_failure
 
-    metadata = _dist_metadata(folder)
+    reader, metadata = _dist_reader(folder)
     bridge = make_bridge(hf_config, torch.float32, {}, one_process=True)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
-    reader = safe_dcp_reader(folder)  # the index read without running code; tensors with weights_only
     layers = int(hf_config.num_hidden_layers)
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata) or not key.startswith(_MODEL_KEYS):
@@ -452,7 +451,7 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({key: full}, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException) as exc:  # a shard file missing or damaged
-            raise UserError(f"Cannot read {key} from {folder}: {_last_line(exc)}",
+            raise UserError(f"Cannot read {key} from {folder}: {dcp_failure(exc)}",
                             "Export another checkpoint of the run.") from None
         try:
             if key.startswith("decoder.layers."):
@@ -469,8 +468,10 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
                             "Export with the model the run was trained from (a Qwen2 or Llama folder).") from None
 
 
-def _dist_metadata(folder: str) -> Any:
-    from rlx.plugins.backends.fsdp import safe_dcp_reader
+def _dist_reader(folder: str) -> tuple[Any, Any]:
+    """A reader of the checkpoint folder that never runs code from it (the index read with the fsdp backends'
+    restricted unpickler, the tensors with ``weights_only``), and its index."""
+    from rlx.plugins.backends.fsdp import dcp_failure, safe_dcp_reader
 
     if not os.path.isdir(folder):
         raise UserError(f"{folder} is missing: the checkpoint was not written by the megatron backend, or is "
@@ -484,19 +485,14 @@ def _dist_metadata(folder: str) -> Any:
     if backend != "torch_dist":
         raise UserError(f"{folder} was written in megatron-core's {backend!r} format; rlx reads 'torch_dist' "
                         "(what the megatron backend writes).", "Export a checkpoint written by rlx.")
+    reader = safe_dcp_reader(folder)
     try:
-        return safe_dcp_reader(folder).read_metadata()
+        return reader, reader.read_metadata()
     except UserError:
         raise
     except Exception as exc:  # a missing or garbled .metadata
-        raise UserError(f"Cannot read {folder}/.metadata: {_last_line(exc)}",
+        raise UserError(f"Cannot read {folder}/.metadata: {dcp_failure(exc)}",
                         "Export another checkpoint of the run.") from None
-
-
-def _last_line(exc: BaseException) -> str:
-    """The cause of a checkpoint reader's error (DCP's message carries each rank's traceback)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
 
 
 def write_hf_folder(path: str, hf_config: Any, state: dict[str, torch.Tensor], *, value_head: bool,
