@@ -393,10 +393,22 @@ def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
     """actor.log_prob_chunk_size: the head's logits formed 5 response positions at a time (several chunks per
     row, one crossing rows), each chunk recomputed in the backward pass, give the full head's log-probs,
     entropies and every weight's gradient (float32, 1e-6); tied (Qwen2: the embedding is the head) and untied."""
+    import rlx.plugins.backends.megatron as backend
+
     emulate_cuda_placement(monkeypatch.setattr)
     path = llama_path if which == "llama" else tiny_model_path
     full = forward_and_grads(path, MegatronOptions(), forward_batch())
+    calls: list[tuple[int, int]] = []
+    real = backend.chunked_head
+
+    def spy(hidden: torch.Tensor, *args: Any) -> Any:
+        calls.append((hidden.shape[0], args[3]))
+        return real(hidden, *args)
+
+    monkeypatch.setattr(backend, "chunked_head", spy)
     chunked = forward_and_grads(path, MegatronOptions(), forward_batch(), head_chunk=5)
+    batch = forward_batch()
+    assert calls == [(batch["responses"].numel(), 5)]  # the head ran chunked, over every response position
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(chunked[key], full[key], atol=1e-6, rtol=1e-6)
     assert set(chunked["grads"]) == set(full["grads"])
@@ -430,7 +442,16 @@ def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
 
+    fused_calls: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        fused_calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     (want, want_grads), (got, got_grads) = run(plain), run(fused)
+    assert len(fused_calls) == 1  # the fused kernel ran (megatron's own path never calls it)
     assert got.shape == (7, 3, 64)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for a, b in zip(got_grads, want_grads):
@@ -438,6 +459,7 @@ def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
     mask = torch.rand(3, 1, 7, 7, generator=g) > 0.7  # True = masked out (megatron's convention)
     mask &= ~torch.eye(7, dtype=torch.bool)
     torch.testing.assert_close(run(fused, mask)[0], run(plain, mask)[0], atol=0, rtol=0)
+    assert len(fused_calls) == 1  # a mask takes megatron-core's path
 
 
 # -- distributed checkpoints -> Hugging Face in one CPU process (rlx export) ---------------------------------
