@@ -256,6 +256,70 @@ def test_packed_rows_on_sdpa_build_no_tokens_by_tokens_mask(model_path):
     assert worker(model_path, "ref", "eager").model.config._attn_implementation == "eager"
 
 
+def test_packed_attention_waits_for_the_device_once_per_forward_not_per_layer(model_path):
+    """The packed layout (sequence starts, lengths, the valid positions) is found once per forward pass and
+    shared by every layer; a layer that picked its valid outputs with a boolean mask would make the host wait
+    for the GPU in each layer. Counted as the operations whose output size depends on the data (``nonzero``,
+    ``masked_select``, boolean indexing), which must not grow with the number of layers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountNonzero(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            boolean_index = func.overloadpacket is torch.ops.aten.index and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
+            if func.overloadpacket in (torch.ops.aten.nonzero, torch.ops.aten.masked_select) or boolean_index:
+                CountNonzero.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(layers: int) -> int:
+        ours = worker(model_path, "ref")
+        ours.hf_model.model.layers = ours.hf_model.model.layers[:layers]
+        ours.hf_model.config.num_hidden_layers = layers
+        CountNonzero.calls = 0
+        with CountNonzero():
+            ours.compute_log_probs(make_batch())
+        return CountNonzero.calls
+
+    full = worker(model_path, "ref").hf_model.config.num_hidden_layers
+    assert full >= 2
+    assert count(full) == count(1) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_varlen_flash_attention_equals_attention_per_sequence_on_a_gpu():
+    """On a GPU in bf16, packed rows run PyTorch's variable-length flash attention (no padding, GQA without
+    repeated keys). Its outputs and the gradients of query, key and value equal the per-sequence SDPA path
+    (the CPU's) run on float32 copies, to bf16 accuracy: 2e-2 of each tensor's largest entry."""
+    from types import SimpleNamespace
+
+    from rlx.plugins.backends import torch_local
+
+    if torch_local._varlen_attn() is None:
+        pytest.skip("torch < 2.10 has no varlen_attn")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 5, 128, 64, 1, 90]
+    total, heads, kv_heads, d = sum(lengths), 14, 2, 64
+    positions = torch.cat([torch.arange(n) for n in lengths]).cuda()[None]
+    q, k, v = (torch.randn(1, h, total, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    module = SimpleNamespace()  # packed_sdpa reads only the module's class name (for its error message)
+    assert torch_local.varlen_kernel_usable(q)
+    out, _ = torch_local.packed_sdpa(module, q, k, v, None, scaling=d**-0.5, position_ids=positions)
+    upstream = torch.randn(out.shape, device="cuda", generator=g)
+    (out.float() * upstream).sum().backward()
+    ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    torch_local._LAYOUT[:] = [None, None]
+    ref, _ = torch_local.packed_sdpa(module, *ref_inputs, None, scaling=d**-0.5, position_ids=positions)
+    (ref * upstream).sum().backward()
+    assert out.shape == ref.shape == (1, total, heads, d)
+    for got, want, what in [(out.float(), ref, "output"), *((x.grad.float(), r.grad, f"grad {i}")
+                                                             for i, (x, r) in enumerate(zip((q, k, v), ref_inputs)))]:
+        torch.testing.assert_close(got, want, atol=2e-2 * float(want.abs().max()), rtol=0, msg=what)
+
+
 def test_gradient_checkpointing_combines_with_packing_and_the_chunked_head(model_path):
     """Recomputed activations (the attention's packed layout included) give the same gradients."""
     batch = make_batch()

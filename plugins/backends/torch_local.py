@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,10 +112,17 @@ PACKED_SDPA = "rlx_packed_sdpa"
 def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA over packed sequences without a (tokens x tokens) mask: the packed row (1, heads, T, d) is cut at
-    the positions that restart at 0 into (sequences, heads, longest, d), each sequence attends causally to
-    itself (``is_causal``: PyTorch's flash or memory-efficient kernel on a GPU), and the valid outputs are
-    packed back. The linear layers still see only the packed tokens; attention costs what it costs padded.
+    """Attention over packed sequences without a (tokens x tokens) mask. The sequences of the packed row
+    (1, heads, T, d) start where the position ids restart at 0.
+
+    - On a GPU in bf16/fp16 (PyTorch's ``varlen_attn``, torch >= 2.10): flash attention's variable-length
+      kernel runs on the packed tokens themselves, causal within each sequence, GQA without repeating the
+      keys: no padding, no gather.
+    - Otherwise (the CPU, float32): the row is cut into (sequences, heads, longest, d), each sequence attends
+      causally to itself through ``scaled_dot_product_attention`` (``is_causal``), and the valid outputs are
+      packed back. Attention then costs what it costs padded; the linear layers still see only the packed
+      tokens.
+
     A call with a mask (padded rows) is transformers' own sdpa."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -123,23 +130,37 @@ def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    index, valid = _sequence_layout(kwargs.get("position_ids"), type(module).__name__)
+    layout = _layout_outside_compile()(kwargs.get("position_ids"), type(module).__name__)
+    if dropout == 0.0 and varlen_kernel_usable(query):
+        return _varlen_attention(query, key, value, layout, scaling), None
+    groups = query.shape[1] // key.shape[1]
 
     def unpacked(x: torch.Tensor, repeat: int) -> torch.Tensor:
-        x = x[0][:, index].transpose(0, 1)  # (n, heads, L, d)
+        x = x[0][:, layout.index].transpose(0, 1)  # (n, heads, L, d)
         return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
 
-    groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(unpacked(query, 1), unpacked(key, groups), unpacked(value, groups),
                                          dropout_p=dropout, scale=scaling, is_causal=True)  # (n, heads, L, d)
-    return out.transpose(1, 2)[valid][None], None  # (1, T, heads, d)
+    n, heads, longest, d = out.shape
+    # The valid positions, gathered by index (a boolean mask would wait for the GPU in every layer).
+    out = out.transpose(1, 2).reshape(n * longest, heads, d).index_select(0, layout.valid_flat)
+    return out[None], None  # (1, T, heads, d)
+
+
+class PackedLayout(NamedTuple):
+    """Where the sequences of one packed row lie (every layer of a forward pass shares it)."""
+
+    index: torch.Tensor  # (sequences, longest): gather indices into the row, clamped past each sequence's end
+    valid_flat: torch.Tensor  # the flat positions of real tokens in (sequences * longest)
+    cu_seqlens: torch.Tensor  # (sequences + 1,) int32: where each sequence starts, then the total
+    longest: int
 
 
 _LAYOUT: list[Any] = [None, None]  # the last packed row's position ids and its layout: every layer shares them
 
 
-def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather indices (sequences, longest) into the packed row and which of them are real tokens."""
+def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> PackedLayout:
+    """The packed row's layout, computed once per forward pass (one wait for the GPU, not one per layer)."""
     import torch
 
     from rlx.errors import UserError
@@ -154,10 +175,86 @@ def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> tuple[tor
     total = positions.shape[0]
     starts = (positions == 0).nonzero().flatten()
     lengths = torch.diff(starts, append=starts.new_tensor([total]))
-    steps = torch.arange(int(lengths.max()), device=starts.device)
-    layout = (starts[:, None] + steps).clamp(max=total - 1), steps < lengths[:, None]  # (n, L) each
+    longest = int(lengths.max())
+    steps = torch.arange(longest, device=starts.device)
+    valid = steps < lengths[:, None]  # (n, L)
+    layout = PackedLayout(index=(starts[:, None] + steps).clamp(max=total - 1),
+                          valid_flat=valid.flatten().nonzero().flatten(),
+                          cu_seqlens=torch.cat([starts, starts.new_tensor([total])]).to(torch.int32),
+                          longest=longest)
     _LAYOUT[:] = [position_ids, layout]
     return layout
+
+
+def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
+    """``torch.compile`` each decoder layer (the transformer blocks of ``base_model.layers``) in place, with
+    dynamic shapes (packed rows change length every micro-batch). The layers share one compiled graph; the
+    packed layout is looked up outside it. Returns how many layers were compiled."""
+    import torch
+
+    from rlx.errors import UserError
+
+    layers = getattr(getattr(hf_model, "base_model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        section = "critic" if role == "critic" else "actor"
+        raise UserError(f"{section}.use_torch_compile=true compiles the decoder layers, and "
+                        f"{type(hf_model).__name__} keeps none in base_model.layers.",
+                        f"Set {section}.use_torch_compile=false for this model.")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+def _layout_outside_compile() -> Any:
+    """:func:`_sequence_layout`, run eagerly when a compiled layer calls it (it reads tensor values)."""
+    if not _LAYOUT_EAGER:
+        import torch
+
+        _LAYOUT_EAGER.append(torch.compiler.disable(_sequence_layout))
+    return _LAYOUT_EAGER[0]
+
+
+_LAYOUT_EAGER: list[Any] = []
+
+
+def varlen_kernel_usable(query: torch.Tensor) -> bool:
+    """PyTorch's variable-length flash attention runs here: a CUDA tensor in bf16 or fp16, torch >= 2.10."""
+    import torch
+
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
+
+
+_VARLEN: list[Any] = []  # [varlen_attn or None, whether it takes enable_gqa]
+
+
+def _varlen_attn() -> Any:
+    if not _VARLEN:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:  # torch < 2.10
+            _VARLEN[:] = [None, False]
+        else:
+            _VARLEN[:] = [varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters]
+    return _VARLEN[0]
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PackedLayout,
+                      scaling: float | None) -> torch.Tensor:
+    """(1, heads, T, d) in, (1, T, heads, d) out, through ``varlen_attn`` (causal: window (-1, 0))."""
+    fn, takes_gqa = _varlen_attn(), _VARLEN[1]
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, heads, d)
+    options: dict[str, Any] = {}
+    if groups > 1:
+        if takes_gqa:
+            options["enable_gqa"] = True
+        else:  # torch 2.10's wrapper wants equal head counts
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = fn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.longest, layout.longest, scale=scaling,
+             window_size=(-1, 0), **options)
+    return out[None]
 
 
 def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -507,6 +604,8 @@ class TorchWorker:
         self.packed = bool(extra.get("use_remove_padding", True)) and supports_packing(hf_model)
         if self.packed:
             use_packed_sdpa(hf_model)
+        if extra.get("use_torch_compile"):
+            compile_decoder_layers(hf_model, self.spec.role)
         self.chunk_size = int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
         dynamic = bool(extra.get("use_dynamic_bsz", False))
         self.update_budget = (int(extra["ppo_max_token_len"]), str(extra["ppo_max_token_len_option"])) \
@@ -524,8 +623,10 @@ class TorchWorker:
             self.model.train()
             # Under LoRA only the adapters require gradients: AdamW holds state for them alone.
             params = [p for p in self.model.parameters() if p.requires_grad]
+            # On a GPU, the fused kernel: one launch per step, not several per parameter group.
+            fused = bool(params) and all(p.is_cuda for p in params)
             self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, betas=self.spec.betas,
-                                               weight_decay=self.spec.weight_decay)
+                                               weight_decay=self.spec.weight_decay, fused=fused or None)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.spec))
         else:
             self.model.eval()
