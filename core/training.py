@@ -164,7 +164,7 @@ def balance_for_ranks(batch: Batch, parts: int) -> Batch:
 
 def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
     """The forward-pass settings of a role (``RoleSpec.extra`` keys) from the config: packing, the
-    chunked head, token budgets, the trained weights' dtype and LoRA. The reference scores like the actor's
+    chunked head, token budgets, compilation, the trained weights' dtype and LoRA. The reference scores like the actor's
     log-prob passes (with LoRA on, no reference worker is built: the actor scores with its adapter off)."""
     if config is None:
         return {}
@@ -178,6 +178,7 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
                 "log_prob_max_token_len": c.forward_max_token_len_per_gpu,
                 "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu",
                 "ulysses_sequence_parallel_size": c.ulysses_sequence_parallel_size,
+                "use_torch_compile": c.use_torch_compile,
                 "model_dtype": c.model_dtype, "lora": lora_settings(config.model)}
     a = config.actor
     return {"use_remove_padding": a.use_remove_padding, "use_dynamic_bsz": a.use_dynamic_bsz,
@@ -187,6 +188,7 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
             "log_prob_max_token_len": a.log_prob_max_token_len_per_gpu,
             "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
             "ulysses_sequence_parallel_size": a.ulysses_sequence_parallel_size,
+            "use_torch_compile": a.use_torch_compile,
             "model_dtype": a.model_dtype, "lora": lora_settings(config.model)}
 
 

@@ -215,7 +215,8 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
 
 
 def training_problems(cfg: RLXConfig) -> list[str]:
-    """LoRA and the trained weights' dtype: what the environment and the chosen backend must offer."""
+    """LoRA, compilation and the trained weights' dtype: what the environment and the chosen backend must
+    offer."""
     from rlx.lora import INSTALL_HINT, peft_missing
 
     problems = []
@@ -229,6 +230,13 @@ def training_problems(cfg: RLXConfig) -> list[str]:
 
             problems.append(f"model.lora_rank={cfg.model.lora_rank}: {LORA_FSDP1} Use backend.name=fsdp2 (or "
                             "torch), or model.lora_rank=0.")
+    if backend == "fsdp":
+        from rlx.plugins.backends.fsdp import COMPILE_FSDP1
+
+        for section in ("actor", "critic"):
+            if getattr(cfg, section).use_torch_compile:
+                problems.append(f"{section}.{COMPILE_FSDP1} Use backend.name=fsdp2 (or torch), or "
+                                f"{section}.use_torch_compile=false.")
     from rlx.plugins.backends.ulysses import config_problems as ulysses_problems
 
     problems.extend(ulysses_problems(cfg))

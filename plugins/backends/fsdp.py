@@ -90,6 +90,8 @@ DCP_DIR = "dcp"
 LORA_FSDP1 = ("LoRA is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 flattens each decoder "
               "layer's parameters into one tensor of one dtype, so the frozen base (model.dtype) and its "
               "trainable adapters (float32 master weights) cannot share a layer.")
+COMPILE_FSDP1 = ("use_torch_compile=true is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 wraps "
+                 "each decoder layer in a module of its own, which rlx does not compile.")
 
 
 class FSDPCommonOptions(BaseModel):
@@ -291,6 +293,10 @@ class FSDPWorker(TorchWorker):
         self.lora = spec.extra.get("lora") or None
         if self.lora is not None and engine == "fsdp":
             raise UserError(LORA_FSDP1, "Use backend.name=fsdp2 (or torch) for LoRA, or model.lora_rank=0.")
+        if spec.extra.get("use_torch_compile") and engine == "fsdp":
+            section = "critic" if spec.role == "critic" else "actor"
+            raise UserError(f"{section}.{COMPILE_FSDP1}",
+                            f"Use backend.name=fsdp2, or {section}.use_torch_compile=false.")
         # model_dtype=float32 (the default): a trainable role keeps float32 master weights and computes in
         # model.dtype through FSDP's mixed precision. model_dtype=bfloat16: weights, gradients and AdamW
         # moments in bf16. A frozen role (the reference), and the frozen base under LoRA, is stored in the

@@ -140,6 +140,9 @@ def settings_problems(settings: dict[str, dict[str, Any]]) -> list[str]:
         if int(extra.get("ulysses_sequence_parallel_size") or 1) > 1:
             out.append(f"{section}.ulysses_sequence_parallel_size > 1 belongs to the fsdp backends (use "
                        "backend.sequence_parallel with tensor parallelism)")
+        if extra.get("use_torch_compile"):
+            out.append(f"{section}.use_torch_compile=true belongs to the torch and fsdp2 backends (megatron-core "
+                       "fuses its layers through Transformer Engine)")
         if extra.get("model_dtype") == "bfloat16":
             out.append(f"{section}.model_dtype=bfloat16 is not supported (the megatron backend keeps fp32 "
                        "master weights)")

@@ -1,0 +1,120 @@
+"""``actor.use_torch_compile`` / ``critic.use_torch_compile``: each decoder layer compiled in place
+(``rlx.plugins.backends.torch_local.compile_decoder_layers``), with dynamic shapes.
+
+On the CPU (inductor's C++ backend), float32: the compiled layers give the eager model's log-probs,
+entropies and values to 2e-5 and its gradients to 1e-4 of each tensor's largest entry (measured: 4e-6 and
+below 1e-5; fused arithmetic reorders sums), packed and padded, with gradient checkpointing too. What
+compilation is for, the speed on a GPU, is measured by ``benchmarks/actor_update.py`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_backend_torch import grpo_loss, make_batch
+
+from rlx.errors import ConfigError, UserError
+from rlx.plugins.algorithms.base import CriticLoss
+from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, compile_decoder_layers
+from rlx.protocols import RoleSpec
+
+ATOL = 2e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture
+def model_path(tiny_model_path, one_thread):
+    return tiny_model_path
+
+
+def worker(path: str, role: str = "actor", **extra: Any) -> TorchWorker:
+    gc = bool(extra.pop("gradient_checkpointing", False))
+    spec = RoleSpec(role=role, model_path=path, trainable=True, value_head=role == "critic", lr=1e-3,
+                    micro_batch_size=4, gradient_checkpointing=gc, extra=extra)
+    return TorchWorker(spec, TorchBackendOptions(), "cpu")
+
+
+def gradients(w: TorchWorker, batch: Any, loss_fn: Any) -> dict[str, torch.Tensor]:
+    w.zero_grad()
+    loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want) and want
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=GRAD_RTOL * max(float(g.abs().max()), 1e-12), rtol=0,
+                                   msg=name)
+
+
+def actor_batch() -> Any:
+    batch = make_batch()
+    mask = batch["response_mask"]
+    batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * mask
+    batch.meta.update(minibatch_tokens=float(mask.sum()), minibatch_seqs=float(len(batch)))
+    return batch
+
+
+@pytest.mark.parametrize("packed, checkpointing", [(True, False), (False, False), (True, True)],
+                         ids=["packed", "padded", "packed+checkpointing"])
+def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path, packed, checkpointing):
+    import torch._dynamo
+
+    batch = actor_batch()
+    settings = {"use_remove_padding": packed, "gradient_checkpointing": checkpointing}
+    eager, compiled = worker(model_path, **settings), worker(model_path, use_torch_compile=True, **settings)
+    layers = compiled.hf_model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in eager.hf_model.model.layers)
+    torch._dynamo.utils.counters.clear()
+    want, got = eager.compute_log_probs(batch, True), compiled.compute_log_probs(batch, True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled path really ran
+    mask = batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[key][mask], want[key][mask], atol=ATOL, rtol=0, msg=key)
+    batch.tensors["old_log_probs"] = want["log_probs"]
+    loss = grpo_loss(entropy_coeff=0.01)
+    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss))
+    # A whole optimizer step through the shared update loop, and the state dict keeps the model's own names.
+    before = {k: v.clone() for k, v in compiled.model.state_dict().items()}
+    compiled.train_step(batch, loss)
+    assert set(compiled.model.state_dict()) == set(eager.model.state_dict()) == set(before)
+    assert any(not torch.equal(v, before[k]) for k, v in compiled.model.state_dict().items())
+
+
+def test_a_compiled_critic_gives_the_eager_values_and_gradients(model_path):
+    batch = actor_batch()
+    batch.tensors["values"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    batch.tensors["returns"] = torch.rand(len(batch), 1) * batch["response_mask"]
+    eager, compiled = worker(model_path, "critic"), worker(model_path, "critic", use_torch_compile=True)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(compiled.compute_values(batch)["values"][mask],
+                               eager.compute_values(batch)["values"][mask], atol=ATOL, rtol=0)
+    loss = CriticLoss(0.2)
+    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss))
+
+
+def test_a_model_without_decoder_layers_to_compile_is_a_user_error():
+    with pytest.raises(UserError, match=r"critic.use_torch_compile=true compiles the decoder layers") as exc:
+        compile_decoder_layers(torch.nn.Linear(2, 2), "critic")
+    assert "critic.use_torch_compile=false" in exc.value.hint
+
+
+def test_fsdp1_and_megatron_refuse_compilation_before_the_run():
+    from rlx.cli.main import _pm
+    from rlx.plugins.backends.megatron import settings_problems
+    from rlx.validate import load_config
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(_pm(), preset="tiny", overrides=["critic.use_torch_compile=true", "backend.name=fsdp"])
+    assert "critic.use_torch_compile=true is built in the fsdp2 and torch backends" in str(exc.value)
+    assert "Use backend.name=fsdp2" in str(exc.value)
+    for backend in ("fsdp2", "torch"):
+        config = load_config(_pm(), preset="tiny", overrides=["actor.use_torch_compile=true",
+                                                              f"backend.name={backend}"]).config
+        assert config.actor.use_torch_compile and not config.critic.use_torch_compile
+    assert any("actor.use_torch_compile=true belongs to the torch and fsdp2 backends" in p
+               for p in settings_problems({"actor": {"use_torch_compile": True}}))
