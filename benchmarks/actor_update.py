@@ -106,19 +106,75 @@ def model_flops(batch: Any, matmul_params: int, shape: dict[str, int]) -> float:
     return 6.0 * matmul_params * tokens + attention
 
 
-def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, packed: bool, chunk: int,
-                attn: str, dynamic: bool) -> dict[str, Any]:
+def profile_update(worker: Any, batch: Any, loss: Any, device: str, path: str) -> None:
+    """One more update under torch.profiler: the top kernels by GPU time, and the GPU's busy time against
+    the wall time (a gap means the step waits on the CPU issuing work)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        worker.update([batch], loss)
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(f"wall {wall:.3f} s (profiled), GPU busy {busy:.3f} s\n{table}")
+    print(f"  profile: wall {wall:.3f} s, GPU busy {busy:.3f} s -> {path}")
+    print("\n".join(table.splitlines()[:14]))
+
+
+def parse_variant(name: str, default_chunk: int, default_budget: int) -> dict[str, Any]:
+    """A variant's settings from its name: '+'-joined parts, the first 'padded' or 'packed'.
+
+    - ``chunked`` / ``chunked<N>``: the chunked head (N positions per chunk; default ``--chunk``);
+    - ``dynamic`` / ``dyn<N>``: micro-batches cut by a token budget (default ``--max-tokens``);
+    - ``bf16``: bf16 weights, gradients and AdamW states (actor.model_dtype=bfloat16) instead of float32
+      master weights under bf16 autocast;
+    - ``compile``: ``torch.compile`` of each decoder layer (actor.use_torch_compile);
+    - ``noflash``: packed attention per sequence through SDPA instead of PyTorch's varlen flash kernel;
+    - ``[kernel]`` after packed: the attention implementation (default sdpa).
+    """
+    parts = name.split("+")
+    head, attn = parts[0], "sdpa"
+    if "[" in head:
+        head, attn = head.rstrip("]").split("[")
+    if head not in ("padded", "packed"):
+        raise SystemExit(f"variant {name!r}: starts with padded or packed")
+    v: dict[str, Any] = {"name": name, "packed": head == "packed", "attn": attn, "chunk": 0, "budget": None,
+                         "bf16": False, "compile": False, "varlen": True}
+    for part in parts[1:]:
+        if part.startswith("chunked"):
+            v["chunk"] = int(part[7:] or default_chunk)
+        elif part == "dynamic" or part.startswith("dyn"):
+            v["budget"] = int(part[3:].replace("k", "000") if part != "dynamic" else default_budget)
+        elif part in ("bf16", "compile"):
+            v[part] = True
+        elif part == "noflash":
+            v["varlen"] = False
+        else:
+            raise SystemExit(f"variant {name!r}: unknown part {part!r}")
+    return v
+
+
+def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, v: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
+    from rlx.plugins.backends import torch_local
     from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
     from rlx.protocols import RoleSpec
 
-    extra: dict[str, Any] = {"use_remove_padding": packed, "log_prob_chunk_size": chunk,
-                             "log_prob_micro_batch_size": args.log_prob_micro_rows}
-    if dynamic:
-        extra.update(use_dynamic_bsz=True, ppo_max_token_len=args.max_tokens,
-                     ppo_max_token_len_option="--max-tokens", log_prob_max_token_len=args.max_tokens * 2,
+    extra: dict[str, Any] = {"use_remove_padding": v["packed"], "log_prob_chunk_size": v["chunk"],
+                             "log_prob_micro_batch_size": args.log_prob_micro_rows,
+                             "use_torch_compile": v["compile"]}
+    if v["bf16"]:
+        extra["model_dtype"] = "bfloat16"
+    if v["budget"]:
+        extra.update(use_dynamic_bsz=True, ppo_max_token_len=v["budget"],
+                     ppo_max_token_len_option="--max-tokens", log_prob_max_token_len=v["budget"] * 2,
                      log_prob_max_token_len_option="--max-tokens")
     spec = RoleSpec(role="actor", model_path=path, trainable=True, dtype="auto", lr=1e-6,
                     micro_batch_size=args.micro_rows, gradient_checkpointing=args.gradient_checkpointing,
@@ -126,10 +182,13 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, pa
     if device != "cpu":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    worker = TorchWorker(spec, TorchBackendOptions(attn_implementation=attn), device)
+    torch_local._VARLEN[:] = [] if v["varlen"] else [None, False]
+    worker = TorchWorker(spec, TorchBackendOptions(attn_implementation=v["attn"]), device)
+    compile_start = time.perf_counter()
     loss = GRPOLoss(GRPOOptions(use_kl_loss=False, entropy_coeff=0.0))
     worker.update([batch], loss)  # warm-up: allocator, kernels, flex compilation
     sync(device)
+    warmup_s = time.perf_counter() - compile_start
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -137,9 +196,14 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, pa
         worker.update([batch], loss)
     sync(device)
     update_s = (time.perf_counter() - start) / args.steps
+    if args.profile and args.profile in (v["name"], "all"):
+        profile_update(worker, batch, loss, device, f"{args.profile_dir}/{v['name'].replace('+', '_')}.txt")
     update_peak = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats()
+    if v["compile"]:  # the no-grad graphs compile on their first call
+        worker.compute_log_probs(batch, with_entropy=True)
+        sync(device)
     start = time.perf_counter()
     worker.compute_log_probs(batch, with_entropy=True)
     sync(device)
@@ -147,7 +211,7 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, pa
     log_prob_peak = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None
     del worker
     return {"update_s": update_s, "update_peak_gib": update_peak, "log_prob_s": log_prob_s,
-            "log_prob_peak_gib": log_prob_peak}
+            "log_prob_peak_gib": log_prob_peak, "warmup_s": warmup_s}
 
 
 def equivalence() -> None:
@@ -228,7 +292,12 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa", help="Comma-separated attention kernels for packed variants "
                         "(sdpa, flex_attention, flash_attention_2); padded variants use sdpa.")
     parser.add_argument("--chunk", type=int, default=1024, help="Positions per chunk of the chunked head.")
+    parser.add_argument("--variants", default=None, help="Comma-separated variant names, e.g. "
+                        "'packed+chunked+dyn24k+bf16+compile' (see parse_variant); default: padded and packed, "
+                        "with and without the chunked head, and packed+chunked+dynamic per --attn kernel.")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--profile", default=None, help="Profile one more update of this variant (or 'all').")
+    parser.add_argument("--profile-dir", default="outputs/actor_update_profiles")
     parser.add_argument("--json", default=None, help="Append one JSON line per variant to this file.")
     parser.add_argument("--equivalence", action="store_true", help="Print the CPU equivalences (packed vs "
                         "padded, chunked vs plain, dynamic vs fixed) on the built-in tiny model, and stop.")
@@ -250,13 +319,15 @@ def main() -> None:
     peak = matmul_rate(device, torch.bfloat16 if device != "cpu" else torch.float32, 8192 if device != "cpu" else 512)
     print(f"device {torch.cuda.get_device_name() if device != 'cpu' else 'cpu'}, "
           f"{'bf16' if device != 'cpu' else 'fp32'} matmul rate {peak / 1e12:.3g} TFLOP/s")
-    variants = [("padded", False, 0, "sdpa", False), ("padded+chunked", False, args.chunk, "sdpa", False)]
-    for attn in args.attn.split(","):
-        variants += [(f"packed[{attn}]", True, 0, attn, False),
-                     (f"packed[{attn}]+chunked", True, args.chunk, attn, False),
-                     (f"packed[{attn}]+chunked+dynamic", True, args.chunk, attn, True)]
+    if args.variants:
+        names = args.variants.split(",")
+    else:
+        names = ["padded", "padded+chunked"]
+        for attn in args.attn.split(","):
+            names += [f"packed[{attn}]", f"packed[{attn}]+chunked", f"packed[{attn}]+chunked+dynamic"]
+    variants = [parse_variant(n, args.chunk, args.max_tokens) for n in names]
     header = f"{'size':5} {'variant':36} {'tok/s':>9} {'MFU':>6} {'update s':>9} {'peak GiB':>9} " \
-             f"{'logprob s':>9} {'peak GiB':>9}"
+             f"{'logprob s':>9} {'peak GiB':>9} {'warm-up s':>9}"
     print(header)
     for size in sizes:
         shape = SHAPES[size]
@@ -265,9 +336,10 @@ def main() -> None:
             batch = make_batch(args.rows, args.prompt_len, args.response_len, shape["vocab_size"])
             tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
             flops = model_flops(batch, params, shape)
-            for name, packed, chunk, attn, dynamic in variants:
+            for v in variants:
+                name = v["name"]
                 try:
-                    res = run_variant(tmp, device, batch, args, packed, chunk, attn, dynamic)
+                    res = run_variant(tmp, device, batch, args, v)
                 except torch.cuda.OutOfMemoryError:
                     print(f"{size:5} {name:36} out of memory")
                     continue
@@ -277,7 +349,7 @@ def main() -> None:
                 mem = f"{res['update_peak_gib']:9.2f}" if res["update_peak_gib"] is not None else f"{'-':>9}"
                 lmem = f"{res['log_prob_peak_gib']:9.2f}" if res["log_prob_peak_gib"] is not None else f"{'-':>9}"
                 print(f"{size:5} {name:36} {row['tokens_per_s']:9.0f} {row['mfu']:6.1%} {res['update_s']:9.3f} "
-                      f"{mem} {res['log_prob_s']:9.3f} {lmem}")
+                      f"{mem} {res['log_prob_s']:9.3f} {lmem} {res['warmup_s']:9.1f}")
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
