@@ -118,3 +118,54 @@ def test_fsdp1_and_megatron_refuse_compilation_before_the_run():
         assert config.actor.use_torch_compile and not config.critic.use_torch_compile
     assert any("actor.use_torch_compile=true belongs to the torch and fsdp2 backends" in p
                for p in settings_problems({"actor": {"use_torch_compile": True}}))
+
+
+# -- fsdp2 over 2 gloo processes ------------------------------------------------------------------------
+def _fsdp2_rank(rank: int, world: int, port: int, path: str, batch: Any, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from rlx.plugins.backends.fsdp import FSDP2Options, FSDPWorker
+    from rlx.plugins.launchers.local import shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mine = shard(batch, world)[rank]
+        res: dict[str, Any] = {}
+        for name, compiled in (("eager", False), ("compiled", True)):
+            spec = RoleSpec(role="actor", model_path=path, trainable=True, lr=1e-3, micro_batch_size=2,
+                            extra={"use_torch_compile": compiled})
+            w = FSDPWorker(spec, FSDP2Options(), "cpu", "fsdp2")
+            res[f"{name}_log_probs"] = w.compute_log_probs(mine, with_entropy=True)["log_probs"]
+            res[f"{name}_metrics"] = w.update([mine], grpo_loss())
+            # The last step's gradients, still held after it (the next update zeroes them), gathered whole.
+            res[f"{name}_grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                                    for n, p in w.model.named_parameters() if p.grad is not None}
+            res[f"{name}_layers_compiled"] = all(
+                layer._compiled_call_impl is not None for layer in w._plain(w.model).model.layers)
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_fsdp2_compiles_its_layers_and_matches_the_eager_run(tiny_model_path, tmp_path):
+    """Two gloo ranks, each holding half of every layer: compiled layers (FSDP2's gathering hooks run outside
+    the graph) give the eager run's log-probs, gradient norm and gradients."""
+    import torch.multiprocessing as mp
+    from test_fsdp import free_port
+
+    batch = actor_batch()
+    batch.tensors["old_log_probs"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    batch.meta.pop("minibatch_tokens"), batch.meta.pop("minibatch_seqs")
+    mp.start_processes(_fsdp2_rank, args=(2, free_port(), tiny_model_path, batch, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert res["compiled_layers_compiled"] and not res["eager_layers_compiled"]
+        torch.testing.assert_close(res["compiled_log_probs"], res["eager_log_probs"], atol=ATOL, rtol=0)
+        assert res["compiled_metrics"][0]["grad_norm"] == pytest.approx(res["eager_metrics"][0]["grad_norm"],
+                                                                        rel=1e-4)
+        assert_grads_close(res["compiled_grads"], res["eager_grads"])
