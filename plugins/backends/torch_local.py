@@ -115,9 +115,9 @@ def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     """Attention over packed sequences without a (tokens x tokens) mask. The sequences of the packed row
     (1, heads, T, d) start where the position ids restart at 0.
 
-    - On a GPU in bf16/fp16 (PyTorch's ``varlen_attn``, torch >= 2.10): flash attention's variable-length
-      kernel runs on the packed tokens themselves, causal within each sequence, GQA without repeating the
-      keys: no padding, no gather.
+    - On a GPU in bf16/fp16 (PyTorch's ``varlen_attn``, torch >= 2.10): the variable-length flash kernel runs
+      on the packed tokens themselves, causal within each sequence: no padding, no gather. GQA keys are
+      repeated to the query heads only where the wrapper takes no ``enable_gqa`` (torch 2.11 here).
     - Otherwise (the CPU, float32): the row is cut into (sequences, heads, longest, d), each sequence attends
       causally to itself through ``scaled_dot_product_attention`` (``is_causal``), and the valid outputs are
       packed back. Attention then costs what it costs padded; the linear layers still see only the packed
@@ -250,7 +250,7 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if groups > 1:
         if takes_gqa:
             options["enable_gqa"] = True
-        else:  # torch 2.10's wrapper wants equal head counts
+        else:  # an older wrapper (torch 2.11) without enable_gqa: equal head counts
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = fn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.longest, layout.longest, scale=scaling,
              window_size=(-1, 0), **options)
