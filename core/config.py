@@ -164,7 +164,7 @@ class ActorConfig(_Section):
         "dynamic shapes, one graph shared by the layers): fuses the norms, activations and casts between the "
         "matrix products. Costs about 30 s of compilation at the first step; pays on a GPU (measured on an "
         "H200: +19-27% actor-update throughput at 0.5B/1.5B, docs/benchmarks.md). The log-prob passes of the "
-        "same model use it too.")
+        "same model use it too. With model.gradient_checkpointing the layers checkpoint inside the compiled graph.")
 
 
 class CriticOptimConfig(OptimConfig):

@@ -130,7 +130,9 @@ def packed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    layout = _layout_outside_compile()(kwargs.get("position_ids"), type(module).__name__)
+    layout = kwargs.get(LAYOUT_KWARG)  # found before the model's forward (see with_packed_layout)
+    if layout is None:
+        layout = _layout_outside_compile()(kwargs.get("position_ids"), type(module).__name__)
     if dropout == 0.0 and varlen_kernel_usable(query):
         return _varlen_attention(query, key, value, layout, scaling), None
     groups = query.shape[1] // key.shape[1]
@@ -186,10 +188,30 @@ def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> PackedLay
     return layout
 
 
+# The keyword argument that carries a packed row's layout from the model's forward to packed_sdpa in every
+# layer (transformers passes extra keyword arguments down to the attention function).
+LAYOUT_KWARG = "rlx_packed_layout"
+
+
+def with_packed_layout(inputs: dict[str, Any], model: Any) -> dict[str, Any]:
+    """``inputs`` plus the packed row's layout, found once before the forward pass, when the model's attention
+    is :func:`packed_sdpa`: the layers then look nothing up themselves, so a compiled layer is one graph with
+    no break (which gradient checkpointing inside the graph needs)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != PACKED_SDPA or "attention_mask" in inputs:
+        return inputs
+    return {**inputs, LAYOUT_KWARG: _sequence_layout(inputs["position_ids"], type(model).__name__)}
+
+
 def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
     """``torch.compile`` each decoder layer (the transformer blocks of ``base_model.layers``) in place, with
     dynamic shapes (packed rows change length every micro-batch). The layers share one compiled graph; the
-    packed layout is looked up outside it. Returns how many layers were compiled."""
+    packed layout comes in as an argument (:func:`with_packed_layout`). Returns how many layers were compiled.
+
+    Gradient checkpointing moves inside the graph: ``torch.utils.checkpoint`` switches compilation off for
+    everything it runs, so transformers' checkpointing (which wraps each layer's call) would leave the
+    compiled layers eager in every training pass. Instead each layer's forward checkpoints itself
+    (non-reentrant), and the compiler records it as a recomputed region of the layer's graph."""
     import torch
 
     from rlx.errors import UserError
@@ -200,9 +222,30 @@ def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
         raise UserError(f"{section}.use_torch_compile=true compiles the decoder layers, and "
                         f"{type(hf_model).__name__} keeps none in base_model.layers.",
                         f"Set {section}.use_torch_compile=false for this model.")
+    checkpointing = bool(getattr(hf_model, "is_gradient_checkpointing", False))
+    if checkpointing:
+        hf_model.gradient_checkpointing_disable()
     for layer in layers:
+        if checkpointing:
+            layer.forward = _checkpointed(layer.forward)
         layer.compile(dynamic=True)
     return len(layers)
+
+
+def _checkpointed(forward: Any) -> Any:
+    """``forward`` recomputed in the backward pass when gradients are on (non-reentrant checkpointing)."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def _layout_outside_compile() -> Any:
@@ -477,6 +520,7 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()
     inputs, keep = model_inputs(batch, packed)
+    inputs = with_packed_layout(inputs, hf)
     targets = batch["responses"][mask][None] if packed else batch["responses"]  # (1, n) or (b, R)
     keep_kwarg = _accepts(hf, "logits_to_keep")
     if keep_kwarg:
@@ -516,7 +560,7 @@ def response_values(model: Any, batch: Batch, *, packed: bool = False) -> torch.
     """Values (b, R) of a value model; values[:, t] scores the state before response token t.
     Padding is 0."""
     inputs, keep = model_inputs(batch, packed)
-    values = model(**inputs, use_cache=False).logits[:, keep].squeeze(-1)  # (b, R) or (1, n)
+    values = model(**with_packed_layout(inputs, model), use_cache=False).logits[:, keep].squeeze(-1)
     return _per_row(values, batch["response_mask"].bool(), packed)
 
 
