@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 from test_backend_torch import grpo_loss, make_batch
+from test_packing import ATOL, assert_grads_close
 
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
+from rlx.plugins.backends import torch_local
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, compile_decoder_layers
 from rlx.protocols import RoleSpec
 
-ATOL = 2e-5
-GRAD_RTOL = 1e-4
 # Inductor compiles CPU kernels with the system's C++ compiler (CI installs g++ when it is missing).
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in torch_local.CXX_COMPILERS),
                                 reason="torch.compile on the CPU needs a C++ compiler")
 
 
@@ -46,13 +46,6 @@ def gradients(w: TorchWorker, batch: Any, loss_fn: Any) -> dict[str, torch.Tenso
     loss, _ = loss_fn(w.forward(batch, grad=True), batch)
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
-
-
-def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want) and want
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g, atol=GRAD_RTOL * max(float(g.abs().max()), 1e-12), rtol=0,
-                                   msg=name)
 
 
 def actor_batch() -> Any:
@@ -84,7 +77,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path, pack
     batch.tensors["old_log_probs"] = want["log_probs"]
     loss = grpo_loss(entropy_coeff=0.01)
     torch._dynamo.utils.counters.clear()
-    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss))
+    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss), "compiled")
     # The training pass compiled too (under checkpointing: inside the graph, not left eager).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     # A whole optimizer step through the shared update loop, and the state dict keeps the model's own names.
@@ -130,13 +123,39 @@ def test_a_compiled_critic_gives_the_eager_values_and_gradients(model_path):
     torch.testing.assert_close(compiled.compute_values(batch)["values"][mask],
                                eager.compute_values(batch)["values"][mask], atol=ATOL, rtol=0)
     loss = CriticLoss(0.2)
-    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss))
+    assert_grads_close(gradients(compiled, batch, loss), gradients(eager, batch, loss), "compiled")
 
 
 def test_a_model_without_decoder_layers_to_compile_is_a_user_error():
     with pytest.raises(UserError, match=r"critic.use_torch_compile=true compiles the decoder layers") as exc:
         compile_decoder_layers(torch.nn.Linear(2, 2), "critic")
     assert "critic.use_torch_compile=false" in exc.value.hint
+
+
+def test_compiling_on_a_cpu_without_a_cxx_compiler_is_a_user_error(model_path, monkeypatch):
+    monkeypatch.setattr(torch_local.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="on the CPU needs a C\\+\\+ compiler") as exc:
+        worker(model_path, use_torch_compile=True)
+    assert "Install g++" in exc.value.hint and "actor.use_torch_compile=false" in exc.value.hint
+
+
+def test_the_packed_layout_reaches_every_layer_as_an_argument(model_path, monkeypatch):
+    """The layout is found once, before the forward pass, and handed down (no lookup inside a layer, which in
+    a compiled layer would break its graph)."""
+    lookups, handed = [], []
+    monkeypatch.setattr(torch_local, "_layout_outside_compile", lambda: lambda *a: lookups.append(a))
+    original = torch_local.packed_sdpa
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get(torch_local.LAYOUT_KWARG))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_local, "packed_sdpa", spy)  # what the worker registers with transformers
+    ours = worker(model_path)
+    ours.compute_log_probs(actor_batch())
+    assert not lookups
+    assert handed and len(handed) % ours.hf_model.config.num_hidden_layers == 0  # every layer of every pass
+    assert all(isinstance(layout, torch_local.PackedLayout) for layout in handed)
 
 
 def test_fsdp1_and_megatron_refuse_compilation_before_the_run():
@@ -204,4 +223,4 @@ def test_fsdp2_compiles_its_layers_and_matches_the_eager_run(tiny_model_path, tm
         torch.testing.assert_close(res["compiled_log_probs"], res["eager_log_probs"], atol=ATOL, rtol=0)
         assert res["compiled_metrics"][0]["grad_norm"] == pytest.approx(res["eager_metrics"][0]["grad_norm"],
                                                                         rel=1e-4)
-        assert_grads_close(res["compiled_grads"], res["eager_grads"])
+        assert_grads_close(res["compiled_grads"], res["eager_grads"], f"rank {rank}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -188,6 +189,9 @@ def _sequence_layout(position_ids: torch.Tensor | None, where: str) -> PackedLay
     return layout
 
 
+# What torch.compile's CPU backend (inductor) builds its kernels with; one must be on PATH.
+CXX_COMPILERS = ("g++", "c++", "clang++")
+
 # The keyword argument that carries a packed row's layout from the model's forward to packed_sdpa in every
 # layer (transformers passes extra keyword arguments down to the attention function).
 LAYOUT_KWARG = "rlx_packed_layout"
@@ -216,12 +220,17 @@ def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
 
     from rlx.errors import UserError
 
+    section = "critic" if role == "critic" else "actor"
     layers = getattr(getattr(hf_model, "base_model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        section = "critic" if role == "critic" else "actor"
         raise UserError(f"{section}.use_torch_compile=true compiles the decoder layers, and "
                         f"{type(hf_model).__name__} keeps none in base_model.layers.",
                         f"Set {section}.use_torch_compile=false for this model.")
+    on_cpu = next(hf_model.parameters()).device.type == "cpu"
+    if on_cpu and not any(shutil.which(c) for c in CXX_COMPILERS):
+        raise UserError(f"{section}.use_torch_compile=true on the CPU needs a C++ compiler (torch.compile builds "
+                        f"its CPU kernels with one), and none of {', '.join(CXX_COMPILERS)} is on PATH.",
+                        f"Install g++ (e.g. apt-get install g++), or set {section}.use_torch_compile=false.")
     checkpointing = bool(getattr(hf_model, "is_gradient_checkpointing", False))
     if checkpointing:
         hf_model.gradient_checkpointing_disable()
