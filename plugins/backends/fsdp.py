@@ -367,7 +367,7 @@ class FSDPWorker(TorchWorker):
         if self.sp is None:
             return super()._log_probs(micro, temperature, with_entropy, entropy_grad)
         log_probs, entropy = self.sp.log_probs(self.model, self.hf_model, micro, temperature, with_entropy,
-                                               entropy_grad, self.chunk_size)
+                                               entropy_grad, self.chunk_size, self.compile_head)
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
     def _values(self, micro: Batch) -> torch.Tensor:

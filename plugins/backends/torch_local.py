@@ -395,12 +395,84 @@ def _head_compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  temperature: float) -> torch.Tensor:
-    """float32 logits / temperature of a chunk of positions, the matmul in the weight's dtype."""
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The logits of a chunk of positions, (c, V) in the weight's dtype (the compute dtype)."""
     import torch.nn.functional as F
 
-    return F.linear(hidden.to(weight.dtype), weight, bias).float() / temperature
+    return F.linear(hidden.to(weight.dtype), weight, bias)
+
+
+def _logit_stats(z: torch.Tensor, targets: torch.Tensor, temperature: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-sum-exp, the target's log-prob and the entropy (c,) float32, from a chunk's logits (c, V) in the
+    compute dtype, divided by ``temperature``. With m the row maximum, s = sum exp(x - m) and
+    t = sum exp(x - m) * (x - m): log-sum-exp = m + log s, log-prob = (x_y - m) - log s, entropy =
+    log s - t / s (no cancellation between large numbers). Eager, two float32 (c, V) buffers at a time;
+    compiled, two passes over ``z``."""
+    x = z.float()
+    if temperature != 1.0:
+        x.div_(temperature)
+    m = x.amax(-1, keepdim=True)
+    d = x.sub_(m)
+    chosen = d.gather(-1, targets[:, None]).squeeze(-1)
+    e = d.exp()
+    s = e.sum(-1)
+    t = e.mul_(d).sum(-1)
+    log_s = s.log()
+    return m.squeeze(-1) + log_s, chosen - log_s, log_s - t / s
+
+
+def _logit_grads(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                 grad_lp: torch.Tensor | None, grad_ent: torch.Tensor | None, temperature: float,
+                 fused: bool) -> torch.Tensor:
+    """The gradient (c, V) for a chunk's logits ``z`` (compute dtype, before the temperature), from the
+    gradients of its log-probs and entropies: with x = z / temperature and p = softmax(x),
+    d logp_y / dx = onehot(y) - p and d H / dx = -p * (log p + H). ``fused`` (compiled, one pass over ``z``):
+    the one-hot term as a comparison with the column index; eager: a scatter into the float32 buffer."""
+    import torch
+
+    logp = z.float()
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(lse[:, None])
+    p = logp.exp()
+    if grad_ent is not None:  # p * (g_lp + g_ent * (log p + H)), in logp's buffer
+        coef = logp.add_(entropy[:, None]).mul_(grad_ent[:, None])
+        if grad_lp is not None:
+            coef.add_(grad_lp[:, None])
+        dx = p.mul_(coef)
+    else:
+        assert grad_lp is not None
+        dx = p.mul_(grad_lp[:, None])
+    if grad_lp is None:
+        dx = dx.neg_()
+    elif fused:
+        cols = torch.arange(z.shape[-1], device=z.device)
+        dx = torch.where(cols == targets[:, None], grad_lp[:, None] - dx, -dx)
+    else:
+        dx = dx.neg_().scatter_add_(-1, targets[:, None], grad_lp[:, None])
+    if temperature != 1.0:
+        dx = dx.div_(temperature)
+    return dx.to(z.dtype)
+
+
+_COMPILED_HEAD_FNS: dict[str, Any] = {}
+
+
+def _head_fns(compiled: bool) -> tuple[Any, Any]:
+    """The chunked head's two per-chunk element-wise functions, eager or compiled (``torch.compile``,
+    shapes dynamic after the first change: the last chunk is shorter). Compiled, each is one or two
+    passes over the chunk's compute-dtype logits instead of a float32 copy and a kernel per operation."""
+    import functools
+
+    if not compiled:
+        return _logit_stats, functools.partial(_logit_grads, fused=False)
+    if not _COMPILED_HEAD_FNS:
+        import torch
+
+        _COMPILED_HEAD_FNS["stats"] = torch.compile(_logit_stats)
+        _COMPILED_HEAD_FNS["grads"] = torch.compile(functools.partial(_logit_grads, fused=True))
+    return _COMPILED_HEAD_FNS["stats"], _COMPILED_HEAD_FNS["grads"]
 
 
 def _make_chunked_head() -> type:
@@ -416,22 +488,22 @@ def _make_chunked_head() -> type:
 
         @staticmethod
         def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor, temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    targets: torch.Tensor, temperature: float, chunk: int, compiled: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
             ctx.set_materialize_grads(False)
             dtype = _head_compute_dtype(weight)
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
+            stats, _ = _head_fns(compiled)
             n = hidden.shape[0]
             log_probs = hidden.new_empty(n, dtype=torch.float32)
             entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)
             for s in range(0, n, chunk):
-                z = _chunk_logits(hidden[s:s + chunk], w, b, temperature)  # (c, V) float32
-                lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-                log_probs[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-                z.sub_(lse[s:s + chunk, None])  # log-softmax, in place
-                entropy[s:s + chunk] = -(z.exp() * z).sum(-1)
+                z = _chunk_logits(hidden[s:s + chunk], w, b)  # (c, V) in the compute dtype
+                lse[s:s + chunk], log_probs[s:s + chunk], entropy[s:s + chunk] = stats(
+                    z, targets[s:s + chunk], temperature)
             ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-            ctx.dtype, ctx.temperature, ctx.chunk = dtype, temperature, chunk
+            ctx.dtype, ctx.temperature, ctx.chunk, ctx.compiled = dtype, temperature, chunk, compiled
             return log_probs, entropy
 
         @staticmethod
@@ -439,33 +511,28 @@ def _make_chunked_head() -> type:
             hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
             need_h, need_w, need_b = ctx.needs_input_grad[:3]
             if grad_lp is None and grad_ent is None:
-                return None, None, None, None, None, None
+                return (None,) * 7
+            _, grads = _head_fns(ctx.compiled)
             w = weight.to(ctx.dtype)
             b = bias.to(ctx.dtype) if bias is not None else None
             d_hidden = torch.empty_like(hidden) if need_h else None
-            d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-            d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+            d_weight: torch.Tensor | None = None  # float32 sums over the chunks
+            d_bias: torch.Tensor | None = None
             for s in range(0, hidden.shape[0], ctx.chunk):
-                h = hidden[s:s + ctx.chunk]
-                logp = _chunk_logits(h, w, b, ctx.temperature).sub_(lse[s:s + ctx.chunk, None])  # (c, V)
-                p = logp.exp()
-                # d logp_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
-                dz = torch.zeros_like(p)
-                if grad_ent is not None:
-                    dz -= grad_ent[s:s + ctx.chunk, None] * p * (logp + entropy[s:s + ctx.chunk, None])
-                if grad_lp is not None:
-                    g = grad_lp[s:s + ctx.chunk, None]
-                    dz -= g * p
-                    dz.scatter_add_(-1, targets[s:s + ctx.chunk, None], g)
-                dz = (dz / ctx.temperature).to(ctx.dtype)
+                h, part = hidden[s:s + ctx.chunk], slice(s, s + ctx.chunk)
+                dz = grads(_chunk_logits(h, w, b), targets[part], lse[part], entropy[part],
+                           grad_lp[part] if grad_lp is not None else None,
+                           grad_ent[part] if grad_ent is not None else None, ctx.temperature)
                 if d_hidden is not None:
-                    d_hidden[s:s + ctx.chunk] = (dz @ w).to(hidden.dtype)
-                if d_weight is not None:
-                    d_weight += (dz.t() @ h.to(ctx.dtype)).float()
-                if d_bias is not None:
-                    d_bias += dz.float().sum(0)
+                    d_hidden[part] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    dw = (dz.t() @ h.to(ctx.dtype)).float()
+                    d_weight = dw if d_weight is None else d_weight.add_(dw)
+                if need_b and bias is not None:
+                    db = dz.float().sum(0)
+                    d_bias = db if d_bias is None else d_bias.add_(db)
             return (d_hidden, d_weight.to(weight.dtype) if d_weight is not None else None,
-                    d_bias.to(bias.dtype) if d_bias is not None else None, None, None, None)
+                    d_bias.to(bias.dtype) if d_bias is not None else None, None, None, None, None)
 
     return ChunkedHead
 
@@ -474,17 +541,19 @@ _CHUNKED_HEAD: Any = None
 
 
 def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                 temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperature: float, chunk: int, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies (n,), float32, from hidden states (n, H) and a head (V, H):
-    logits are formed ``chunk`` positions at a time in the compute dtype, reduced in float32."""
+    logits are formed ``chunk`` positions at a time in the compute dtype, reduced in float32. ``compiled``:
+    the per-chunk element-wise work runs as compiled kernels (see :func:`_head_fns`)."""
     global _CHUNKED_HEAD
     if _CHUNKED_HEAD is None:
         _CHUNKED_HEAD = _make_chunked_head()
-    return _CHUNKED_HEAD.apply(hidden, weight, bias, targets, temperature, chunk)
+    return _CHUNKED_HEAD.apply(hidden, weight, bias, targets, temperature, chunk, compiled)
 
 
 @contextlib.contextmanager
-def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: int) -> Iterator[None]:
+def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: int,
+                   compiled: bool = False) -> Iterator[None]:
     """While inside, ``head`` (the model's ``lm_head``) computes no logits: its output is
     :func:`chunked_head`'s log-probs and entropies stacked on the last axis, (..., 2), which the model
     returns as its ``logits``. Both run inside the model's own forward, where FSDP has gathered the head's
@@ -500,7 +569,7 @@ def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: 
     def after(module: Any, args: tuple[Any, ...], output: Any) -> torch.Tensor:
         hidden = inputs.pop()
         lp, ent = chunked_head(hidden.reshape(-1, hidden.shape[-1]), module.weight, module.bias,
-                               targets.reshape(-1), temperature, chunk)
+                               targets.reshape(-1), temperature, chunk, compiled)
         return torch.stack([lp, ent], dim=-1).view(*hidden.shape[:-1], 2)
 
     handles = [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
@@ -513,13 +582,14 @@ def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: 
 
 def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool,
                        entropy_grad: bool = True, *, packed: bool = False, chunk_size: int = 0,
-                       hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       compile_head: bool = False, hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature), 0 at padding.
 
     Only the positions that predict response tokens reach the head. ``packed``: the rows go through the
     model as one packed row (see :func:`model_inputs`). ``chunk_size`` > 0: log-probs and entropies come
     from :func:`chunked_head` (no float32 copy of the (positions x vocabulary) logits); 0: from the
-    logits in float32. ``hf_model`` is the Hugging Face model when ``model`` wraps it (FSDP1).
+    logits in float32; ``compile_head``: the chunked head's element-wise work compiled. ``hf_model`` is
+    the Hugging Face model when ``model`` wraps it (FSDP1).
     With ``entropy_grad=False`` the entropy is only a metric: it is kept out of the autograd graph.
     """
     import torch
@@ -536,7 +606,7 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
         inputs["logits_to_keep"] = keep
     entropy: torch.Tensor | None
     if chunk_size and keep_kwarg and fused_head_supported(hf):
-        with _head_replaced(hf.get_output_embeddings(), targets, temperature or 1.0, chunk_size):
+        with _head_replaced(hf.get_output_embeddings(), targets, temperature or 1.0, chunk_size, compile_head):
             both = model(**inputs, use_cache=False).logits  # (b, R, 2) or (1, n, 2)
         log_probs, entropy = both[..., 0], both[..., 1]
         if not with_entropy:
@@ -657,7 +727,9 @@ class TorchWorker:
         self.packed = bool(extra.get("use_remove_padding", True)) and supports_packing(hf_model)
         if self.packed:
             use_packed_sdpa(hf_model)
-        if extra.get("use_torch_compile"):
+        # use_torch_compile: the decoder layers, and the chunked head's element-wise work
+        self.compile_head = bool(extra.get("use_torch_compile"))
+        if self.compile_head:
             compile_decoder_layers(hf_model, self.spec.role)
         self.chunk_size = int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
         dynamic = bool(extra.get("use_dynamic_bsz", False))
@@ -727,7 +799,7 @@ class TorchWorker:
                    entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         log_probs, entropy = response_log_probs(
             self.model, micro, temperature, with_entropy, entropy_grad, packed=self.packed,
-            chunk_size=self.chunk_size, hf_model=self.hf_model)
+            chunk_size=self.chunk_size, compile_head=self.compile_head, hf_model=self.hf_model)
         out = {"log_probs": log_probs}
         if entropy is not None:
             out["entropy"] = entropy

@@ -260,7 +260,8 @@ class SequenceParallel:
         return _functions()["GatherSlices"].apply(local, counts, self.rank, self.group)
 
     def log_probs(self, model: Any, hf_model: Any, batch: Batch, temperature: float, with_entropy: bool,
-                  entropy_grad: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy_grad: bool, chunk_size: int, compile_head: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:func:`rlx.plugins.backends.torch_local.response_log_probs` of a packed batch, computed on this
         rank's slice (the chunked head included) and gathered: (b, R) log-probs and entropies."""
         import torch
@@ -276,7 +277,8 @@ class SequenceParallel:
         if keep_kwarg:
             inputs["logits_to_keep"] = keep
         if chunk_size and keep_kwarg and fused_head_supported(hf_model):
-            with _head_replaced(hf_model.get_output_embeddings(), targets, temperature or 1.0, chunk_size):
+            with _head_replaced(hf_model.get_output_embeddings(), targets, temperature or 1.0, chunk_size,
+                                compile_head):
                 both = model(**inputs, use_cache=False).logits[0]  # (n_r, 2): log-prob, entropy
             if not with_entropy:
                 both = both[:, :1]
