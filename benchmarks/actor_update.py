@@ -107,23 +107,57 @@ def model_flops(batch: Any, matmul_params: int, shape: dict[str, int]) -> float:
 
 
 def profile_update(worker: Any, batch: Any, loss: Any, device: str, path: str) -> None:
-    """One more update under torch.profiler: the top kernels by GPU time, and the GPU's busy time against
-    the wall time (a gap means the step waits on the CPU issuing work)."""
+    """One more update under torch.profiler: the top kernels by GPU time, the GPU's busy time against the
+    wall time, and the longest stretches the GPU sat idle, each with the CPU operators that ran meanwhile and
+    the rlx source line that called them (where the host made the GPU wait)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         worker.update([batch], loss)
         sync(device)
     wall = time.perf_counter() - start
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
-    table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    # kernels only: an operator's row repeats the time of the kernels it launched
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    table = events.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
+    report = f"wall {wall:.3f} s (profiled), GPU busy {busy:.3f} s\n{idle_report(prof.events())}\n{table}"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(f"wall {wall:.3f} s (profiled), GPU busy {busy:.3f} s\n{table}")
+    Path(path).write_text(report)
     print(f"  profile: wall {wall:.3f} s, GPU busy {busy:.3f} s -> {path}")
-    print("\n".join(table.splitlines()[:14]))
+    print("\n".join(report.splitlines()[:30]))
+
+
+def is_rlx_frame(frame: str) -> bool:
+    """A stack frame in rlx's own code (not the benchmark, not a package under a folder named rlx_site)."""
+    return "rlx/" in frame.replace("rlx_site", "") and "benchmarks/" not in frame
+
+
+def idle_report(events: Any, top: int = 15) -> str:
+    """The GPU's idle stretches between its first and last kernel: their total, and the ``top`` longest, each
+    with the shortest CPU operators that cover most of it and the innermost rlx frame that called them."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return "no kernels recorded"
+    gaps, end = [], kernels[0][1]
+    for s, e in kernels[1:]:
+        if s > end:
+            gaps.append((s - end, end, s))
+        end = max(end, e)
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    lines = [f"GPU idle {sum(g[0] for g in gaps) / 1e3:.1f} ms in {len(gaps)} gaps "
+             f"({sum(g[0] for g in gaps if g[0] >= 100) / 1e3:.1f} ms in gaps of 0.1 ms or more); longest:"]
+    for length, g0, g1 in sorted(gaps, reverse=True)[:top]:
+        over = [e for e in cpu if min(e.time_range.end, g1) - max(e.time_range.start, g0) >= 0.3 * length]
+        over.sort(key=lambda e: e.time_range.end - e.time_range.start)
+        names = " < ".join(e.name for e in over[:3]) or "(no operator: Python)"
+        frame = next((f for e in over for f in (e.stack or []) if is_rlx_frame(f)), "")
+        lines.append(f"  {length / 1e3:7.2f} ms at +{(g0 - kernels[0][0]) / 1e3:7.1f} ms: {names}  [{frame}]")
+    return "\n".join(lines)
 
 
 def parse_variant(name: str, default_chunk: int, default_budget: int) -> dict[str, Any]:
@@ -133,7 +167,8 @@ def parse_variant(name: str, default_chunk: int, default_budget: int) -> dict[st
     - ``dynamic`` / ``dyn<N>``: micro-batches cut by a token budget (default ``--max-tokens``);
     - ``bf16``: bf16 weights, gradients and AdamW states (actor.model_dtype=bfloat16) instead of float32
       master weights under bf16 autocast;
-    - ``compile``: ``torch.compile`` of each decoder layer (actor.use_torch_compile);
+    - ``compile``: actor.use_torch_compile: ``torch.compile`` of each decoder layer and of the chunked
+      head's element-wise work; ``eagerhead`` with it: the head's element-wise work left eager;
     - ``noflash``: packed attention per sequence through SDPA instead of PyTorch's varlen flash kernel;
     - ``[kernel]`` after packed: the attention implementation (default sdpa).
     """
@@ -144,13 +179,13 @@ def parse_variant(name: str, default_chunk: int, default_budget: int) -> dict[st
     if head not in ("padded", "packed"):
         raise SystemExit(f"variant {name!r}: starts with padded or packed")
     v: dict[str, Any] = {"name": name, "packed": head == "packed", "attn": attn, "chunk": 0, "budget": None,
-                         "bf16": False, "compile": False, "varlen": True}
+                         "bf16": False, "compile": False, "varlen": True, "eagerhead": False}
     for part in parts[1:]:
         if part.startswith("chunked"):
             v["chunk"] = int(part[7:] or default_chunk)
         elif part == "dynamic" or part.startswith("dyn"):
             v["budget"] = int(part[3:].replace("k", "000") if part != "dynamic" else default_budget)
-        elif part in ("bf16", "compile"):
+        elif part in ("bf16", "compile", "eagerhead"):
             v[part] = True
         elif part == "noflash":
             v["varlen"] = False
@@ -184,6 +219,8 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, v:
         torch.cuda.reset_peak_memory_stats()
     torch_local._VARLEN[:] = [] if v["varlen"] else [None, False]
     worker = TorchWorker(spec, TorchBackendOptions(attn_implementation=v["attn"]), device)
+    if v["eagerhead"]:
+        worker.compile_head = False
     compile_start = time.perf_counter()
     loss = GRPOLoss(GRPOOptions(use_kl_loss=False, entropy_coeff=0.0))
     worker.update([batch], loss)  # warm-up: allocator, kernels, flex compilation

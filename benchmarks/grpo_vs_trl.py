@@ -205,10 +205,11 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
 
 # -- GRPO steps -----------------------------------------------------------------------------------------
 class StepProfiler:
-    """A plugin that profiles the last training step (top kernels, and the memory held between steps)."""
+    """A plugin that profiles the last training step (top kernels, the GPU's idle gaps with what the host ran
+    meanwhile, and the memory held between steps)."""
 
-    def __init__(self, steps: int, path: Path) -> None:
-        self.steps, self.path = steps, path
+    def __init__(self, steps: int, path: Path, name: str = "rlx") -> None:
+        self.steps, self.path, self.name = steps, path, name
         self.prof: Any = None
 
     @hookimpl
@@ -217,15 +218,18 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         if step == self.steps - 1:
-            record("rlx/memory_between_steps_gib", torch.cuda.memory_allocated() / 2**30)
+            record(f"{self.name}/memory_between_steps_gib", torch.cuda.memory_allocated() / 2**30)
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
         elif step == self.steps and self.prof is not None:
+            from actor_update import idle_report  # benchmarks/ is the script's folder, first on sys.path
+
             self.prof.__exit__(None, None, None)
             table = self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
                                                    max_name_column_width=70)
-            self.path.write_text(table)
-            print("\n".join(table.splitlines()[:24]), flush=True)
+            report = f"{idle_report(self.prof.events())}\n{table}"
+            self.path.write_text(report)
+            print("\n".join(report.splitlines()[:40]), flush=True)
 
 
 class HeldMemory:
@@ -267,7 +271,7 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     pm = get_plugin_manager()
     pm.register(HeldMemory(name), name=f"benchmark-held-memory-{name}")
     if profile_path is not None:
-        pm.register(StepProfiler(steps, profile_path), name="benchmark-step-profiler")
+        pm.register(StepProfiler(steps, profile_path, name), name=f"benchmark-step-profiler-{name}")
     fresh_peak()
     start = time.perf_counter()
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
@@ -342,7 +346,8 @@ def main() -> None:
                     help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
                     "as TRL's default), rlx_bf16 (checkpointing and bf16 weights and AdamW states, as TRL), gen.")
     ap.add_argument("--profile", action="store_true",
-                    help="Profile rlx's last step and one generate call (top kernels).")
+                    help="Profile the last step of each rlx part (top kernels, the GPU's idle gaps) and one "
+                    "generate call (top kernels).")
     ap.add_argument("--gen-variants", default="off,default,dynamic",
                     help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
                     "and dynamic (the plain decode loop).")
@@ -364,10 +369,12 @@ def main() -> None:
                 "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides,
                                          profile_path=args.out / "step_profile.txt" if args.profile else None),
                 "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
-                                            ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc"),
+                                            ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc",
+                                            args.out / "rlx_gc_step_profile.txt" if args.profile else None),
                 "rlx_bf16": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
                                               ["model.gradient_checkpointing=true", "actor.model_dtype=bfloat16",
-                                               *args.overrides], "rlx_bf16"),
+                                               *args.overrides], "rlx_bf16",
+                                              args.out / "rlx_bf16_step_profile.txt" if args.profile else None),
                 "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
