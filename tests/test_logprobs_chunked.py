@@ -85,14 +85,19 @@ def test_compiled_chunked_head_equals_the_plain_path(use, temperature):
     """use_torch_compile: the per-chunk element-wise work (statistics forward, logit gradients backward) runs
     compiled, the one-hot term as a comparison instead of a scatter. Chunks of 4 over 11 positions: the last
     chunk is shorter, which recompiles with a dynamic size. Same tolerances as the eager head."""
+    from torch._dynamo.utils import counters
+
     hidden, weight, bias, targets, g_lp, g_ent = leaves()
     want = grads_of(lambda h, w, b, t: plain(h, w, b, t, temperature), hidden, weight, bias, targets, g_lp,
                     g_ent, use)
+    torch._dynamo.reset()
+    counters.clear()
     got = grads_of(lambda h, w, b, t: chunked_head(h, w, b, t, temperature, 4, compiled=True), hidden, weight,
                    bias, targets, g_lp, g_ent, use)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
     assert_grads(got[2], want[2])
+    assert counters["stats"]["unique_graphs"] >= 2  # the statistics and the gradients ran compiled
 
 
 @pytest.mark.gpu
