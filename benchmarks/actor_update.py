@@ -108,14 +108,14 @@ def model_flops(batch: Any, matmul_params: int, shape: dict[str, int]) -> float:
 
 def profile_update(worker: Any, batch: Any, loss: Any, device: str, path: str) -> None:
     """One more update under torch.profiler: the top kernels by GPU time, the GPU's busy time against the
-    wall time, and the longest stretches the GPU sat idle, each with the CPU operators that ran meanwhile and
-    the rlx source line that called them (where the host made the GPU wait)."""
+    wall time, and the longest stretches the GPU sat idle, each with the CPU operators that ran meanwhile
+    (where the host made the GPU wait)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         worker.update([batch], loss)
         sync(device)
     wall = time.perf_counter() - start
@@ -130,14 +130,9 @@ def profile_update(worker: Any, batch: Any, loss: Any, device: str, path: str) -
     print("\n".join(report.splitlines()[:30]))
 
 
-def is_rlx_frame(frame: str) -> bool:
-    """A stack frame in rlx's own code (not the benchmark, not a package under a folder named rlx_site)."""
-    return "rlx/" in frame.replace("rlx_site", "") and "benchmarks/" not in frame
-
-
 def idle_report(events: Any, top: int = 15) -> str:
     """The GPU's idle stretches between its first and last kernel: their total, and the ``top`` longest, each
-    with the shortest CPU operators that cover most of it and the innermost rlx frame that called them."""
+    with the shortest CPU operators that cover most of it."""
     from torch.autograd import DeviceType
 
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
@@ -155,8 +150,7 @@ def idle_report(events: Any, top: int = 15) -> str:
         over = [e for e in cpu if min(e.time_range.end, g1) - max(e.time_range.start, g0) >= 0.3 * length]
         over.sort(key=lambda e: e.time_range.end - e.time_range.start)
         names = " < ".join(e.name for e in over[:3]) or "(no operator: Python)"
-        frame = next((f for e in over for f in (e.stack or []) if is_rlx_frame(f)), "")
-        lines.append(f"  {length / 1e3:7.2f} ms at +{(g0 - kernels[0][0]) / 1e3:7.1f} ms: {names}  [{frame}]")
+        lines.append(f"  {length / 1e3:7.2f} ms at +{(g0 - kernels[0][0]) / 1e3:7.1f} ms: {names}")
     return "\n".join(lines)
 
 
