@@ -341,20 +341,21 @@ def test_export_adapter_only_of_a_full_run_is_a_user_error(tmp_path):
 
 
 # The LoRA settings the learning test trains with, and its thresholds (see the docstring below).
-LEARN_SETTINGS = ["model.lora_rank=8", "model.lora_alpha=16", "actor.optim.lr=0.005"]
-LEARN_STEPS, LEARN_MIN_ACC, LEARN_MIN_RISE = 120, 0.2, 0.04
+LEARN_SETTINGS = ["model.lora_rank=8", "model.lora_alpha=16", "actor.optim.lr=0.003"]
+LEARN_STEPS, LEARN_MIN_ACC, LEARN_MIN_RISE = 120, 0.3, 0.15
 
 
 @pytest.mark.slow
 @pytest.mark.learning
 def test_lora_learns_the_builtin_task(tmp_path):
-    """`rlx train --preset tiny` with LoRA (rank 8, alpha 16, lr 5e-3: 5x the preset's full-training lr),
-    seed 1. Measured with benchmarks/builtin_learning.py (docs/lora.md) on seeds 1-3 on this machine: greedy
-    exact-match accuracy 0.02 -> 0.45, 0.66, 0.27 at step 120, training reward (mean of the last 10 steps
-    minus the first 5) up by 0.24, 0.42, 0.08. LoRA learns this task more slowly and less evenly than full
-    training (0.98 at step 120), so the thresholds are set under the weakest seed (0.2 and 0.04) rather than
-    under seed 1, as another CPU's rounding follows another trajectory. A policy that does not learn stays
-    at 0.0-0.1 (0.02 before training; the runs that broke the format at lr 2e-2 scored 0.0 and 0.1)."""
+    """`rlx train --preset tiny` with LoRA (rank 8, alpha 16, lr 3e-3: 3x the preset's full-training lr),
+    seed 1. Measured with benchmarks/builtin_learning.py (docs/lora.md) on seeds 1-4 on one thread: greedy
+    exact-match accuracy 0.02 -> 0.97, 0.95, 0.66, 0.90 at step 120, training reward (mean of the last 10
+    steps minus the first 5) up by 0.76, 0.73, 0.46, 0.68. The thresholds (0.3 and 0.15) sit under the
+    weakest seed with a margin, since another CPU or thread count rounds differently and follows another
+    trajectory. A policy that does not learn stays at 0.0-0.1 (0.02 before training). lr 5e-3, the earlier
+    setting, sat on the edge of collapse: seeds 1-4 ended at 0.36, 0.29, 0.00, 0.20, and seed 1 ended at 0.10
+    in one CI run (two threads)."""
     from rlx.plugins.loggers.jsonl import read_metrics
 
     folder = tmp_path / "run"
