@@ -25,8 +25,9 @@ from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, c
 from rlx.protocols import RoleSpec
 
 # Inductor compiles CPU kernels with the system's C++ compiler (CI installs g++ when it is missing).
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in torch_local.CXX_COMPILERS),
-                                reason="torch.compile on the CPU needs a C++ compiler")
+needs_cxx_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in torch_local.CXX_COMPILERS),
+                                        reason="torch.compile on the CPU needs a C++ compiler")
+pytestmark = needs_cxx_compiler
 
 
 @pytest.fixture

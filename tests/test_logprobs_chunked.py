@@ -9,19 +9,18 @@ bf16 logits, then reduce in float32: 1e-3.
 from __future__ import annotations
 
 import math
-import shutil
 from typing import Any
 
 import pytest
 import torch
 from test_backend_torch import grpo_loss, make_batch
+from test_compile import needs_cxx_compiler
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
 from rlx.plugins.backends import torch_local
 from rlx.plugins.backends.torch_local import (
-    CXX_COMPILERS,
     TorchBackendOptions,
     TorchWorker,
     chunked_head,
@@ -74,11 +73,7 @@ def test_chunked_head_equals_the_plain_path(chunk, use):
     assert_grads(got[2], want[2])
 
 
-needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in CXX_COMPILERS),
-                                    reason="torch.compile on the CPU needs a C++ compiler")
-
-
-@needs_compiler
+@needs_cxx_compiler
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use", [("lp",), ("ent",), ("lp", "ent")])
 def test_compiled_chunked_head_equals_the_plain_path(use, temperature):

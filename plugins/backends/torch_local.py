@@ -8,6 +8,7 @@ backend builds on the same worker, sharding the model across processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -243,8 +244,6 @@ def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
 
 def _checkpointed(forward: Any) -> Any:
     """``forward`` recomputed in the backward pass when gradients are on (non-reentrant checkpointing)."""
-    import functools
-
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -456,23 +455,17 @@ def _logit_grads(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entr
     return dx.to(z.dtype)
 
 
-_COMPILED_HEAD_FNS: dict[str, Any] = {}
-
-
+@functools.cache
 def _head_fns(compiled: bool) -> tuple[Any, Any]:
-    """The chunked head's two per-chunk element-wise functions, eager or compiled (``torch.compile``,
-    shapes dynamic after the first change: the last chunk is shorter). Compiled, each is one or two
-    passes over the chunk's compute-dtype logits instead of a float32 copy and a kernel per operation."""
-    import functools
-
+    """The chunked head's two per-chunk element-wise functions, eager or compiled (``torch.compile``, made
+    once per process; shapes dynamic after the first change: the last chunk is shorter). Compiled, each is
+    one or two passes over the chunk's compute-dtype logits instead of a pass per operation."""
+    grads = functools.partial(_logit_grads, fused=compiled)
     if not compiled:
-        return _logit_stats, functools.partial(_logit_grads, fused=False)
-    if not _COMPILED_HEAD_FNS:
-        import torch
+        return _logit_stats, grads
+    import torch
 
-        _COMPILED_HEAD_FNS["stats"] = torch.compile(_logit_stats)
-        _COMPILED_HEAD_FNS["grads"] = torch.compile(functools.partial(_logit_grads, fused=True))
-    return _COMPILED_HEAD_FNS["stats"], _COMPILED_HEAD_FNS["grads"]
+    return torch.compile(_logit_stats), torch.compile(grads)
 
 
 def _make_chunked_head() -> type:
