@@ -288,7 +288,8 @@ class TrainerConfig(_Section):
     output_dir: str = Field("outputs/{project}/{experiment}", description="Run folder ({project}, "
                             "{experiment} are filled in; write a literal brace as {{ or }}).")
     project: str = Field("rlx", description="Project name (loggers; a folder name in output_dir).")
-    experiment: str = Field("run", description="Experiment name (loggers; a folder name in output_dir).")
+    experiment: str = Field("run", description="Experiment name (loggers; a folder name in output_dir). "
+                            "{algorithm} in it is replaced by algorithm.name (the tiny preset: tiny-{algorithm}).")
     seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     resume: Literal["auto", "never", "must"] = Field(
         "auto", description="auto: continue from the last complete checkpoint in output_dir if any.")
@@ -359,6 +360,8 @@ class RLXConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLXConfig:
+        if "{algorithm}" in self.trainer.experiment:  # one run folder per algorithm (the tiny preset)
+            self.trainer.experiment = self.trainer.experiment.replace("{algorithm}", self.algorithm.name)
         problems = []
         if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             problems.append(

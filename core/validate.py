@@ -197,7 +197,8 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
                             f"(now {view.loggers})")
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
-                        "or run `rlx train` with no arguments for the built-in tiny job.")
+                        "add --preset tiny for the built-in tiny job's model and data (a --config file replaces "
+                        "the preset), or run `rlx train` with no arguments.")
     if cfg is not None:
         problems.extend(training_problems(cfg))
     if check_run_dir and cfg is not None:

@@ -41,7 +41,7 @@ def test_default_job_learns(tmp_path: Path) -> None:
     result = rlx("train", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "built-in preset 'tiny'" in result.stderr
-    run = tmp_path / "outputs" / "rlx" / "tiny"
+    run = tmp_path / "outputs" / "rlx" / "tiny-grpo"
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 121))
     train = [r for r in rows if "reward/mean" in r]
