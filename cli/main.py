@@ -37,6 +37,7 @@ app.command("replay")(replay_cli.replay_command)
 plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
+PLUGINS_TABLE_WIDE = 140  # columns from which `rlx plugins list` shows every column, summaries whole
 
 
 def _version(value: bool) -> None:
@@ -79,19 +80,44 @@ def plugins_list(as_json: Annotated[bool, typer.Option("--json", metavar="", hel
         if p.status != "ok":
             rows.append({"distribution": p.distribution, "version": p.version, "kind": "-", "name": p.name,
                          "status": p.status, "plugin": p.name, "summary": p.error})
+    rows += [{"distribution": c.distribution, "version": c.version, "kind": c.kind, "name": c.name,
+              "status": "disabled", "plugin": c.plugin, "summary": c.summary} for c in pm.disabled_components]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title="rlx plugins")
-    for col in ("kind", "name", "distribution", "version", "status", "summary"):
-        table.add_column(col, overflow="fold")
+    console = Console()
+    # Narrow terminals: one line per component (the summary cut to the width, a failure's message kept
+    # whole) and the distributions in a footnote, instead of six wrapped columns.
+    narrow = console.width < PLUGINS_TABLE_WIDE
+    table = Table(title="rlx plugins", expand=narrow)
+    columns = ("kind", "name", "status", "summary") if narrow else (
+        "kind", "name", "distribution", "version", "status", "summary")
+    if narrow and all(r["status"] == "ok" for r in rows):
+        columns = tuple(c for c in columns if c != "status")
+    for col in columns:
+        table.add_column(col, overflow="fold", no_wrap=narrow and col != "summary",
+                         ratio=1 if narrow and col == "summary" else None)
     for r in rows:
-        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
-        table.add_row(r["kind"], r["name"], r["distribution"], r["version"], status, r["summary"])
-    Console().print(table)
+        ok = r["status"] == "ok"
+        cells = {"kind": r["kind"], "name": r["name"], "distribution": r["distribution"], "version": r["version"],
+                 "status": Text(r["status"], style="" if ok else "red"),
+                 # Text, not markup: an install hint's extras ('rlx[vllm]') are not style tags.
+                 "summary": Text(r["summary"], no_wrap=narrow and ok, overflow="ellipsis" if narrow and ok
+                                 else "fold")}
+        table.add_row(*(cells[c] for c in columns))
+    console.print(table)
+    if narrow:
+        dists: dict[str, int] = {}
+        for r in rows:
+            key = f"{r['distribution']} {r['version']}".strip()
+            dists[key] = dists.get(key, 0) + 1
+        console.print(Text("From: " + "; ".join(f"{d} ({n})" for d, n in dists.items()) + ". Whole summaries: "
+                           "`rlx plugins show NAME`, `rlx plugins list --json`, or a terminal of "
+                           f"{PLUGINS_TABLE_WIDE}+ columns."))
 
 
 @plugins_app.command("show")

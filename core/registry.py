@@ -5,7 +5,8 @@ Rules (see docs/architecture.md):
 - A plugin that fails to import is recorded and shown as failed; everything else keeps working.
   ``RLX_STRICT_PLUGINS=1`` makes such a failure fatal.
 - ``RLX_DISABLE_PLUGINS=a,b`` skips the named entry points (or every plugin of the named
-  distributions); a name that matches neither is reported on stderr.
+  distributions), or turns off the components of that name as ``rlx plugins list`` shows them
+  (``arith``); a name that matches none of these is reported on stderr with the valid names.
 - Two components of the same kind and name, or two distributions with the same entry-point name, are
   an error that names both distributions: a plugin can never silently replace another.
 - A plugin whose ``rlx_cli_commands`` hook fails is recorded as failed; the CLI keeps working.
@@ -15,6 +16,7 @@ Rules (see docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -54,6 +56,9 @@ class PluginManager:
         self._components: dict[tuple[str, str], Component] | None = None
         self._origin: dict[int, tuple[str, str, str]] = {}
         self._clashes: list[str] = []  # entry-point names used by two distributions
+        # RLX_DISABLE_PLUGINS names that are neither an entry point nor a distribution: component names.
+        self._off_components: set[str] = set()
+        self.disabled_components: list[Component] = []
 
     # -- registration -------------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, distribution: str = "", version: str = "") -> None:
@@ -78,7 +83,7 @@ class PluginManager:
         off = set(disabled)
         found = sorted(((ep, *_dist_of(ep)) for ep in entry_points(group=ENTRY_POINT_GROUP)),
                        key=lambda e: (e[0].name, e[1]))
-        _warn_unmatched(off, found)
+        self._off_components = off - {ep.name for ep, _, _ in found} - {dist for _, dist, _ in found}
         by_name: dict[str, list[tuple[EntryPoint, str, str]]] = defaultdict(list)
         for ep, dist, ver in found:
             if any(p.name == ep.name for p in self.plugins):
@@ -110,6 +115,11 @@ class PluginManager:
             self._origin[id(plugin)] = (ep.name, dist, ver)
             self.plugins.append(PluginRecord(ep.name, dist, ver, "ok", hooks=self._hook_names(plugin)))
         self._components = None
+        if self._off_components:
+            # Which names are components is known once the plugins are loaded; a clash is reported again,
+            # as an error, by whatever asks for a component.
+            with contextlib.suppress(UserError):
+                self.components()
 
     def _clash(self, name: str, eps: list[tuple[EntryPoint, str, str]], strict: bool) -> None:
         """Several distributions register the entry point ``name``: none is loaded, since which one
@@ -164,6 +174,12 @@ class PluginManager:
                     "Uninstall one of them, or turn one off with RLX_DISABLE_PLUGINS=<entry point name>.",
                 )
             found[key] = rec
+        self.disabled_components = [c for c in found.values() if c.name in self._off_components]
+        if self._off_components:
+            _warn_unmatched(self._off_components - {c.name for c in self.disabled_components},
+                            [(p.name, p.distribution) for p in self.plugins], sorted({n for _, n in found}))
+            self._off_components &= {c.name for c in self.disabled_components}  # warned about once
+        found = {k: c for k, c in found.items() if c not in self.disabled_components}
         self._components = dict(sorted(found.items()))
         return self._components
 
@@ -186,6 +202,10 @@ class PluginManager:
         comp = self.components().get((kind, name))
         if comp is not None:
             return comp
+        if any(c.kind == kind and c.name == name for c in self.disabled_components):
+            raise UserError(f"The {kind} {name!r} is turned off: RLX_DISABLE_PLUGINS names it "
+                            f"({os.environ.get('RLX_DISABLE_PLUGINS', '')!r}).",
+                            f"Remove {name} from RLX_DISABLE_PLUGINS to use it.")
         valid = self.names(kind)
         failed = [p for p in self.plugins if p.status == "failed"]
         hint = "Run `rlx plugins list` to see every installed plugin."
@@ -265,13 +285,14 @@ _CLASH_HINT = ("Uninstall one of them, or turn one off with RLX_DISABLE_PLUGINS=
                "(the entry point name would turn off both).")
 
 
-def _warn_unmatched(off: set[str], found: list[tuple[EntryPoint, str, str]]) -> None:
+def _warn_unmatched(unknown: set[str], plugins: list[tuple[str, str]], components: list[str]) -> None:
     """A name in RLX_DISABLE_PLUGINS that turns nothing off is most likely a typo: say so on stderr."""
-    names = sorted({ep.name for ep, _, _ in found})
-    dists = sorted({dist for _, dist, _ in found})
-    for unknown in sorted(off - set(names) - set(dists)):
-        print(f"Warning: RLX_DISABLE_PLUGINS names {unknown!r}, which is neither an rlx plugin entry point nor "
-              f"a distribution providing one, so it turns nothing off.{did_you_mean(unknown, names + dists)} "
+    names = sorted({name for name, _ in plugins})
+    dists = sorted({dist for _, dist in plugins})
+    for name in sorted(unknown):
+        print(f"Warning: RLX_DISABLE_PLUGINS names {name!r}, which is neither a component, an rlx plugin entry "
+              f"point nor a distribution providing one, so it turns nothing off."
+              f"{did_you_mean(name, components + names + dists)} Components: {', '.join(components)}. "
               f"Entry points: {', '.join(names)}. Distributions: {', '.join(dists)}.", file=sys.stderr)
 
 

@@ -1,0 +1,83 @@
+"""Hardening round 3 (issue 33): bad input to the newer commands and options, through the real ``rlx``
+command where a user meets it: exit status 2, one message naming the file, key or value and what would
+be accepted, no traceback; and nothing dropped or coerced without saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NOTE = "No model, config or data given: using the built-in preset 'tiny'."
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "RLX_CACHE": str(tmp_path / "cache"), "NO_COLOR": "1", "COLUMNS": "200"}
+    for name in ("RLX_STRICT_PLUGINS", "RLX_DISABLE_PLUGINS"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def rlx(tmp_path):
+    def call(*args: str, env: dict[str, str] | None = None, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlx", *args], cwd=tmp_path,
+                              env={**cli_env(tmp_path, **extra), **(env or {})},
+                              capture_output=True, text=True, timeout=180)
+
+    return call
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, err)
+    assert "Traceback" not in err + proc.stdout, err
+    assert err.count("Error:") == 1, err
+    for w in words:
+        assert w in err, f"{w!r} not in:\n{err}"
+    return err
+
+
+# -- plugins list and RLX_DISABLE_PLUGINS ---------------------------------------------------------------
+def test_plugins_list_keeps_the_extras_of_install_hints(rlx):
+    proc = rlx("plugins", "list", COLUMNS="250")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # rich may wrap a long summary
+    rows = json.loads(rlx("plugins", "list", "--json").stdout)
+    hints = {h for r in rows for h in ("rlx[vllm]", "rlx[sglang]", "rlx[ray]") if h in r["summary"]}
+    assert hints, "no summary carries an install hint with extras any more: the test checks nothing"
+    for hint in hints:
+        assert hint in text, hint
+
+
+def test_plugins_list_fits_an_80_column_terminal(rlx):
+    proc = rlx("plugins", "list", COLUMNS="80")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = json.loads(rlx("plugins", "list", "--json").stdout)
+    assert max(len(line) for line in lines) <= 80
+    assert len(lines) <= len(rows) + 10, len(lines)  # one line per component, a header and a footnote
+    for r in rows:
+        assert any(f" {r['name']} " in line for line in lines), r["name"]
+    assert "rlx plugins show NAME" in proc.stdout  # where the whole summaries are
+
+
+def test_disabling_a_component_by_the_name_the_list_shows(rlx):
+    proc = rlx("config", "validate", "--reward", "arith", RLX_DISABLE_PLUGINS="arith")
+    assert "Warning" not in proc.stderr
+    assert_user_error(proc, "reward.name: The reward 'arith' is turned off: RLX_DISABLE_PLUGINS names it")
+    rows = json.loads(rlx("plugins", "list", "--json", RLX_DISABLE_PLUGINS="arith").stdout)
+    assert [r["status"] for r in rows if r["name"] == "arith"] == ["disabled"]
+    assert [r["status"] for r in rows if r["name"] == "gsm8k"] == ["ok"]
+
+
+def test_a_disabled_name_that_matches_nothing_is_warned_about_with_the_valid_names(rlx):
+    proc = rlx("config", "validate", RLX_DISABLE_PLUGINS="arihtm")
+    assert proc.returncode == 0, proc.stderr
+    assert "RLX_DISABLE_PLUGINS names 'arihtm'" in proc.stderr and "Did you mean 'arith'?" in proc.stderr
+    assert "Components: arith," in proc.stderr and "reward_arith" in proc.stderr
