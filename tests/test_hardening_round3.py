@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,57 @@ def test_a_disabled_name_that_matches_nothing_is_warned_about_with_the_valid_nam
     assert proc.returncode == 0, proc.stderr
     assert "RLX_DISABLE_PLUGINS names 'arihtm'" in proc.stderr and "Did you mean 'arith'?" in proc.stderr
     assert "Components: arith," in proc.stderr and "reward_arith" in proc.stderr
+
+
+# -- the [dev] extra: the README's test command tests what the README lists -------------------------------
+ENGINES = {"vllm", "sglang", "ray", "megatron", "mbridge"}  # optional: big, or GPU-bound
+
+
+def _requires(dist: str) -> list[str]:
+    """The requirements of ``dist``: rlx's from this checkout's pyproject.toml, the others' from the installed
+    metadata."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    if dist == "rlx":
+        tomllib = pytest.importorskip("tomllib")
+        project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+        return list(project["dependencies"]) + [f"{r}; extra == {extra!r}" for extra, reqs in
+                                                project["optional-dependencies"].items() for r in reqs]
+    try:
+        return requires(dist) or []
+    except PackageNotFoundError:
+        return []
+
+
+def _closure(dist: str, extras: set[str], seen: set[tuple[str, frozenset[str]]]) -> None:
+    """Every distribution that installing ``dist[extras]`` brings."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    key = canonicalize_name(dist)
+    if (key, frozenset(extras)) in seen:
+        return
+    seen.add((key, frozenset(extras)))
+    reqs = _requires(dist)
+    for text in reqs:
+        req = Requirement(text)
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+            _closure(req.name, set(req.extras), seen)
+
+
+def test_the_dev_extra_brings_every_package_the_tests_skip_without_but_the_engines():
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    wanted = set()
+    for path in Path(__file__).parent.glob("test_*.py"):
+        wanted |= {m.split(".")[0] for m in re.findall(r"importorskip\([\"']([\w.]+)[\"']", path.read_text())}
+    wanted -= set(sys.stdlib_module_names) | ENGINES
+    assert {"peft", "matplotlib", "tensorboard", "wandb", "mlflow"} <= wanted  # the test sees what it guards
+    seen: set[tuple[str, frozenset[str]]] = set()
+    _closure("rlx", {"dev"}, seen)
+    brought = {name for name, _ in seen}
+    owners = packages_distributions()
+    missing = {m for m in wanted if not {canonicalize_name(d) for d in owners.get(m, [])} & brought}
+    assert not missing, f"tests skip without {sorted(missing)}, which `pip install -e '.[dev]'` does not install"
