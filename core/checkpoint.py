@@ -256,3 +256,70 @@ def resume_point(ckpt_root: Path, run_dir: Path, mode: str) -> Path | None:
                         "overwrite them.",
                         "Choose another trainer.output_dir or trainer.experiment, or use trainer.resume=auto.")
     return last
+
+
+# What a run trains and how: resuming a run folder with any of these changed would continue one run with
+# another's math, so it is refused. Everything else may change on resume (length, validation, logging,
+# checkpointing, micro-batching and memory, engines, launcher). A section named alone is compared whole,
+# its plugin's options included; keys that only one of the two configs has (another rlx version) are skipped.
+RESUME_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": ("path", "tokenizer_path", "dtype", "lora_rank", "lora_alpha", "target_modules", "exclude_modules",
+              "lora_dropout"),
+    "data": ("train_files", "prompt_key", "max_prompt_length", "max_response_length", "train_batch_size",
+             "shuffle", "filter_overlong_prompts"),
+    "actor": ("optim", "model_dtype", "ppo_mini_batch_size", "ppo_epochs", "shuffle"),
+    "critic": ("model_path", "optim", "model_dtype", "ppo_epochs", "cliprange_value", "warmup_steps"),
+    "rollout": ("n", "temperature", "top_p", "top_k"),
+    "backend": ("name",),
+    "algorithm": None,
+    "reward": None,
+    "trainer": ("seed",),
+}
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: value}
+
+
+def resume_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for each key of :data:`RESUME_KEYS` on which two run configs differ."""
+    diffs = []
+    for section, keys in RESUME_KEYS.items():
+        a, b = old.get(section) or {}, new.get(section) or {}
+        if keys is not None:
+            a = {k: a[k] for k in keys if k in a}
+            b = {k: b[k] for k in keys if k in b}
+        fa, fb = _flat(a, section), _flat(b, section)
+        for key in fa:
+            if key in fb and fa[key] != fb[key]:
+                diffs.append(f"{key}: {fa[key]!r} -> {fb[key]!r}")
+    return diffs
+
+
+def check_resumable(run_dir: Path, ckpt: Path, config: dict[str, Any]) -> None:
+    """Refuse to resume the run in ``run_dir`` (from ``ckpt``) with a config that trains something else."""
+    import yaml
+
+    recorded = run_dir / "config.yaml"
+    try:
+        old = yaml.safe_load(recorded.read_text())
+    except FileNotFoundError:
+        return  # nothing recorded to compare with; the run writes its record
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{recorded} cannot be read ({type(exc).__name__}), so rlx cannot tell whether "
+                        f"{ckpt.name} belongs to this config.",
+                        "Restore that file, or set trainer.experiment=NAME for a new run.") from None
+    if not isinstance(old, dict):
+        raise UserError(f"{recorded} is not a mapping, so rlx cannot tell whether {ckpt.name} belongs to this "
+                        "config.", "Restore that file, or set trainer.experiment=NAME for a new run.")
+    diffs = resume_differences(old, config)
+    if diffs:
+        raise UserError(f"{run_dir} holds a run ({ckpt.name}) whose config differs from this one in what it "
+                        f"trains: {'; '.join(diffs)}. rlx resumes a run only with the settings it started with.",
+                        "Set trainer.experiment=NAME (or trainer.output_dir=DIR) to start a new run, or run "
+                        "again without those changes to continue this one.")

@@ -93,6 +93,8 @@ class Trainer:
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, cfg.trainer.resume)
+        if self.resume_from is not None:  # another algorithm, reward, model, data... is a new run, not this one
+            checkpoint.check_resumable(self.run_dir, self.resume_from, self.config_dict)
         checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
@@ -201,11 +203,15 @@ class Trainer:
             if self.resume_from is not None:
                 self._load(self.resume_from)
             self.launcher.phase("generate")
+            if self.resume_from is not None and self.step >= self.total_steps:
+                return metrics  # nothing to do, said by _load; the run's record and model are left as they are
             self.launcher.transfer_weights(self.actor, self.rollout)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
-            from rlx import provenance  # versions, plugins, data and model hashes: what `rlx replay` checks
+            if self.resume_from is None or not (self.run_dir / "config.yaml").is_file():
+                # A run's record is written once, by the run that made it; a resume leaves it as it is.
+                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+                from rlx import provenance  # versions, plugins, data and model hashes: what `rlx replay` checks
 
-            provenance.write(self.run_dir, provenance.collect(self.config_dict, self.pm))
+                provenance.write(self.run_dir, provenance.collect(self.config_dict, self.pm))
             self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
             if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
                 self._log(self.validate(), self.step)
@@ -535,9 +541,8 @@ class Trainer:
         self.step = self.saved_step = int(state["step"])
         print(f"Resuming from {path} (step {self.step}).")
         if self.step >= self.total_steps:
-            print(f"That run already finished (trainer.total_steps={self.total_steps}): nothing left to train. "
-                  "Raise trainer.total_steps to train further, or choose another trainer.output_dir or "
-                  "trainer.experiment for a new run.")
+            print(f"Run already finished at step {self.step}/{self.total_steps}; nothing to do. To train longer "
+                  f"set trainer.total_steps={self.step + self.total_steps}; for a new run set trainer.experiment=NAME.")
 
     def save_hf(self, target: Path) -> None:
         """Write the final policy in Hugging Face format, atomically (temp folder, then rename)."""

@@ -33,3 +33,28 @@ def test_missing_model_mentions_the_preset(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "model.path: no model given" in proc.stderr and "--preset tiny" in proc.stderr, proc.stderr
+
+
+TINY = ["train", "--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false",
+        "trainer.total_steps=1"]
+
+
+def test_changed_run_is_refused_and_record_written_once(tmp_path: Path) -> None:
+    """A finished GRPO run asked to resume as RLOO or with another reward is refused (exit 2, the differences
+    named); asked again unchanged, it says it has nothing to do; its config.yaml and provenance.json stay."""
+    run = tmp_path / "run"
+    first = rlx(tmp_path, *TINY, f"trainer.output_dir={run}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {name: (run / name).read_bytes() for name in ("config.yaml", "provenance.json")}
+    for change, words in ((["--algorithm", "rloo"], "algorithm.name: 'grpo' -> 'rloo'"),
+                          (["--reward", "format"], "reward.name: 'arith' -> 'format'"),
+                          (["trainer.seed=7"], "trainer.seed: 42 -> 7")):
+        proc = rlx(tmp_path, *TINY, *change, f"trainer.output_dir={run}")
+        assert proc.returncode == 2, (change, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and words in proc.stderr, proc.stderr
+        assert "trainer.experiment=NAME" in proc.stderr
+    done = rlx(tmp_path, *TINY, f"trainer.output_dir={run}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Run already finished at step 1/1; nothing to do" in done.stdout
+    assert "trainer.total_steps=2" in done.stdout
+    assert {name: (run / name).read_bytes() for name in record} == record
