@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_hardening_config import assert_user_error
 
 NOTE = "No model, config or data given: using the built-in preset 'tiny'."
 
@@ -32,16 +33,6 @@ def rlx(tmp_path):
                               capture_output=True, text=True, timeout=180)
 
     return call
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> str:
-    err = proc.stderr
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, err)
-    assert "Traceback" not in err + proc.stdout, err
-    assert err.count("Error:") == 1, err
-    for w in words:
-        assert w in err, f"{w!r} not in:\n{err}"
-    return err
 
 
 # -- plugins list and RLX_DISABLE_PLUGINS ---------------------------------------------------------------
