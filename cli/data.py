@@ -103,12 +103,16 @@ def _load_tokenizer(ref: str) -> Any:
 
 def _read(file: str) -> list[Any]:
     from rlx.data import read_rows
+    from rlx.datasets import file_problem
 
     path = Path(os.path.expanduser(file))
-    if path.is_dir():
+    problem = file_problem(path)
+    if problem == "is a folder, not a file":
         raise UserError(f"{file}: that is a folder; give a parquet file.")
-    if not path.is_file():
+    if problem == "does not exist":
         raise UserError(f"{file}: no such file.")
+    if problem is not None:
+        raise UserError(f"{file}: cannot read it: {problem}.")
     if path.suffix in (".jsonl", ".json"):  # preference pairs may come as JSON lines
         from rlx.datasets import is_preference_file, read_records
 
@@ -163,43 +167,60 @@ def validate(
     Files whose rows have chosen/rejected are checked as preference pairs (a missing or empty side,
     identical replies, a bad prompt or margin); with --tokenizer and --max-length the over-long pairs are
     counted too (not an error: rlx rm train drops them and says how many)."""
-    from rlx.data import row_problems
-    from rlx.datasets import is_preference_file
+    from rlx.data import column_problems, row_problems
+    from rlx.datasets import is_preference_file, preference_column_problems
 
     if (tokenizer is None) != (max_length is None):
         raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
     tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     bad_total = rows_total = 0
     empty: list[str] = []
+    lacking: list[str] = []  # files without a column every row needs: said once, not once per row
     preference = False
     for file in files:
         rows = _read(file)
+        bad: list[tuple[int, list[str]]] = []
         if is_preference_file(rows, chosen_key, rejected_key):
             preference = True
-            bad, overlong = _preference_problems(rows, prompt_key, chosen_key, rejected_key, margin_key, tok,
-                                                 max_length)
-            if overlong:
-                typer.echo(f"{file}: {overlong} pairs have a side longer than {max_length} tokens "
-                           "(rlx rm train drops them)")
+            missing = preference_column_problems(rows, file, prompt_key=prompt_key, chosen_key=chosen_key,
+                                                 rejected_key=rejected_key, margin_key=margin_key)
+            if not missing:
+                bad, overlong = _preference_problems(rows, prompt_key, chosen_key, rejected_key, margin_key, tok,
+                                                     max_length)
+                if overlong:
+                    typer.echo(f"{file}: {overlong} pairs have a side longer than {max_length} tokens "
+                               "(rlx rm train drops them)")
         else:
-            bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
+            missing = column_problems(rows, file, prompt_key)
+            if not missing:
+                bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
         rows_total += len(rows)
         bad_total += len(bad)
+        for line in missing:
+            typer.echo(line)
         for i, problems in bad:
             typer.echo(f"{file}: row {i}: {'; '.join(problems)}")
-        if not rows:
+        if missing:
+            lacking.append(file)
+        elif not rows:
             typer.echo(f"{file}: no rows")
             empty.append(file)
         elif not bad:
             typer.echo(f"{file}: {len(rows)} rows, all usable")
-    if bad_total or empty:
+    if bad_total or empty or lacking:
         found = [f"{bad_total} of {rows_total} rows are not usable (listed above)"] if bad_total else []
+        if lacking:
+            found.append(f"{len(lacking)} file{'s lack' if len(lacking) != 1 else ' lacks'} a column every row "
+                         f"needs ({', '.join(lacking)}; listed above)")
         if empty:
             found.append(f"{len(empty)} file{'s have' if len(empty) != 1 else ' has'} no rows ({', '.join(empty)})")
         shape = (f"Each preference row needs {prompt_key!r} (text or chat messages) and {chosen_key!r} / "
                  f"{rejected_key!r} replies that differ; `rlx data prepare preference` drops the rows that do not."
                  if preference else "Each row needs prompt (chat messages), data_source and reward_model.ground_truth; "
                  "`rlx data prepare` writes files in this shape.")
+        if lacking:
+            shape += (" Columns named otherwise: --prompt-key, --chosen-key, --rejected-key, --margin-key."
+                      if preference else " A prompt column named otherwise: --prompt-key.")
         raise UserError("; ".join(found) + ".", shape)
 
 

@@ -8,9 +8,10 @@ text chart in the terminal, one sparkline per run.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -27,36 +28,113 @@ PANELS: list[tuple[str, list[str]]] = [
 ]
 SPARKS = "▁▂▃▄▅▆▇█"
 TEXT_WIDTH = 60
+MAX_STEP = 2**53  # steps a float (a plot axis) holds exactly
 
 
 def _metrics_file(run: str) -> Path:
+    from rlx.datasets import os_error_text
+
     path = Path(run).expanduser()
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
+    try:
+        if path.is_dir():
+            path = path / "metrics.jsonl"
+        found = path.is_file()
+    except OSError as exc:  # permission denied on a folder of the path, and the like
+        raise UserError(f"{run}: cannot read it: {os_error_text(exc)}.") from None
+    if not found:
         raise UserError(f"{run}: no metrics.jsonl there.",
                         "Give a run folder (trainer.output_dir of a run logged with the jsonl logger) or a "
                         "metrics.jsonl file.")
     return path
 
 
-def load_series(run: str) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(step, value), ...]}`` of a run; NaN and infinite values (stored as null) left out."""
-    from rlx.plugins.loggers.jsonl import read_metrics
+def _step(value: Any) -> int | None:
+    """A record's step as an int, or None when it is not a whole number a float can hold exactly."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if abs(value) <= MAX_STEP else None
 
-    path = _metrics_file(run)
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (NaN, infinite, too large, or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
     try:
-        rows = read_metrics(path, dedupe=True)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{path}: cannot read it: {exc}") from None
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def read_series(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int, int]:
+    """``({metric: [(step, value), ...]}, lines skipped, values skipped)`` of a metrics file.
+
+    A line is skipped (and counted) when it is not a JSON object with a whole-number ``step``; the last
+    record of a step wins, as after a resume. A metric is a key with a number in some record; its values
+    that are not finite numbers (NaN and infinity, stored as null by the jsonl logger; text; a number too
+    large for a float) are not drawn and are counted. A last line without its newline is the one a
+    running job is writing, left out without a count.
+    """
+    from rlx.datasets import os_error_text
+
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it: {os_error_text(exc)}.") from None
+    lines = text.splitlines()
+    if lines and not text.endswith(("\n", "\r")):
+        lines.pop()  # still being written
+    records: dict[int, dict[str, Any]] = {}
+    bad_lines = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            bad_lines += 1
+            continue
+        step = _step(obj.get("step")) if isinstance(obj, dict) else None
+        if step is None:
+            bad_lines += 1
+            continue
+        records[step] = obj
+    metrics = {key for rec in records.values() for key, value in rec.items()
+               if key not in ("step", "time") and not isinstance(value, bool) and isinstance(value, (int, float))}
     out: dict[str, list[tuple[int, float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
+    bad_values = 0
+    for step in sorted(records):
+        for key, value in records[step].items():
+            if key not in metrics:
                 continue
-            if math.isfinite(value):
-                out.setdefault(key, []).append((int(row["step"]), float(value)))
-    return out
+            number = _finite(value)
+            if number is None:
+                bad_values += 1
+            else:
+                out.setdefault(key, []).append((step, number))
+    return out, bad_lines, bad_values
+
+
+def load_series(run: str) -> dict[str, list[tuple[int, float]]]:
+    """``{metric: [(step, value), ...]}`` of a run, saying on one line what was skipped (see
+    :func:`read_series`); a :class:`UserError` when nothing is left to plot."""
+    path = _metrics_file(run)
+    series, bad_lines, bad_values = read_series(path)
+    skipped = [f"{bad_lines} line{' that is' if bad_lines == 1 else 's that are'} not a JSON object with a "
+               "whole-number step" if bad_lines else "",
+               f"{bad_values} value{' that is' if bad_values == 1 else 's that are'} NaN, infinite or not a number"
+               if bad_values else ""]
+    said = " and ".join(part for part in skipped if part)
+    if not series:
+        raise UserError(f"{path}: nothing to plot: no line has a whole-number step and a finite number for a "
+                        "metric" + (f" (skipped {said})." if said else "."),
+                        "rlx plot reads the metrics.jsonl the jsonl logger writes: one JSON object per line with "
+                        "a step and metric values.")
+    if said:
+        typer.echo(f"Warning: {path}: skipped {said} (not drawn).", err=True)
+    return series
 
 
 def run_labels(runs: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx import builtin
+from rlx.datasets import file_problem, missing_columns, os_error_text, role_problem
 from rlx.errors import UserError
 
 MAX_REPORTED = 20
@@ -25,16 +26,19 @@ def resolve_path(ref: str) -> str:
 
 
 def check_files(refs: list[str], key: str) -> list[str]:
-    """Config problems for data files that do not exist or are not parquet."""
+    """Config problems for data files that cannot be read (missing, a folder, permission denied, ...) or
+    are not parquet."""
     problems = []
     for ref in refs:
         if builtin.is_builtin(ref):
             continue
-        p = Path(os.path.expanduser(ref))
-        if not p.is_file():
+        problem = file_problem(ref)
+        if problem == "does not exist":
             problems.append(f"{key}: file {ref!r} does not exist. "
                             f"Write one with `rlx data prepare gsm8k --out DIR` or fix the path.")
-        elif p.suffix != ".parquet":
+        elif problem is not None:
+            problems.append(f"{key}: cannot read {ref!r}: {problem}.")
+        elif Path(os.path.expanduser(ref)).suffix != ".parquet":
             problems.append(f"{key}: {ref!r} is not a .parquet file")
     return problems
 
@@ -45,8 +49,16 @@ def read_rows(refs: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for ref in refs:
         path = resolve_path(ref)
+        problem = file_problem(path)
+        if problem is not None:
+            raise UserError(f"Cannot read {ref} as parquet: {problem}.")
         try:
             rows.extend(pq.read_table(path).to_pylist())
+        except OSError as exc:
+            if exc.errno is None:  # pyarrow's own I/O errors about the content
+                raise UserError(f"Cannot read {ref} as parquet: {exc}",
+                                "Check that the file is a parquet file written by `rlx data prepare`.") from None
+            raise UserError(f"Cannot read {ref} as parquet: {os_error_text(exc)}.") from None
         except Exception as exc:
             raise UserError(f"Cannot read {ref} as parquet: {exc}",
                             "Check that the file is a parquet file written by `rlx data prepare`.") from None
@@ -72,6 +84,10 @@ def row_problems(row: Any, prompt_key: str = "prompt") -> list[str]:
                     m.get("content"), str):
                 problems.append(f"{prompt_key}[{j}] must be {{'role': str, 'content': str}}")
                 break
+        else:
+            why = role_problem(prompt, prompt_key)
+            if why:
+                problems.append(why)
     source = row.get("data_source")
     if source is None or source == "":
         problems.append("missing 'data_source' (a string naming the data set)")
@@ -89,6 +105,14 @@ def row_problems(row: Any, prompt_key: str = "prompt") -> list[str]:
     if extra is not None and not isinstance(extra, dict):
         problems.append(f"'extra_info' must be a mapping (got {type(extra).__name__})")
     return problems
+
+
+PROMPT_COLUMNS = ("data_source", "reward_model")  # with the prompt column: what a prompt row needs
+
+
+def column_problems(rows: list[Any], file: str, prompt_key: str = "prompt") -> list[str]:
+    """One line per column a prompt file lacks in every row (a renamed column), naming the columns it has."""
+    return missing_columns(rows, [prompt_key, *PROMPT_COLUMNS], file)
 
 
 def validate_rows(rows: list[Any], source: str, prompt_key: str = "prompt") -> None:
@@ -128,7 +152,16 @@ class PromptDataset:
 def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt_length: int,
                  filter_overlong: bool, source_key: str) -> PromptDataset:
     """Read, validate, apply the chat template, tokenize, and drop (and count) over-long prompts."""
-    rows = read_rows(refs)
+    rows: list[dict[str, Any]] = []
+    for ref in refs:
+        file_rows = read_rows([ref])
+        missing = column_problems(file_rows, ref, prompt_key)
+        if missing:
+            raise UserError(f"{source_key}: " + "\n".join(missing),
+                            f"A prompt file needs the columns {prompt_key} (chat messages; data.prompt_key names "
+                            "another), data_source and reward_model (with ground_truth); `rlx data prepare` "
+                            "writes them.")
+        rows.extend(file_rows)
     validate_rows(rows, f"{source_key} ({', '.join(refs)})", prompt_key)
     examples, dropped, longest = [], [], 0
     for i, row in enumerate(rows):

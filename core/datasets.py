@@ -18,16 +18,18 @@ one, else the last ``\\boxed{}`` of ``solution``. Rows without a usable answer a
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlx.errors import UserError, require
+from rlx.errors import UserError, did_you_mean, require
 
 GSM8K_INSTRUCTION = ('Think it through step by step, then write "####" followed by the final answer '
                      '(a number) on the last line.')
@@ -91,8 +93,87 @@ RECIPES = {
 
 
 # -- reading ------------------------------------------------------------------------------------
+# The roles a chat message may have: the ones chat templates render (an unknown role is dropped or
+# rendered verbatim, depending on the template, so the model would see a prompt nobody wrote).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def role_problem(messages: list[Any], key: str) -> str | None:
+    """Why chat ``messages`` (already ``{'role': str, 'content': str}`` dicts) cannot be used: the first
+    message whose role is not one of :data:`CHAT_ROLES`; None when every role is known."""
+    for j, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] not in CHAT_ROLES:
+            hint = did_you_mean(m["role"], CHAT_ROLES)
+            return (f"{key}[{j}] has the role {m['role']!r}; the roles accepted are {', '.join(CHAT_ROLES)}"
+                    + (f".{hint}" if hint else ""))
+    return None
+
+
+def os_error_text(exc: OSError) -> str:
+    """Plain words for why a file could not be opened (any :class:`OSError`)."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied (this user cannot read the file or enter a folder on its path)"
+    if exc.errno == errno.ENOENT:
+        return "does not exist"
+    if exc.errno == errno.ENOTDIR:
+        return "a part of its path is a file, not a folder"
+    if exc.errno == errno.EISDIR:
+        return "is a folder, not a file"
+    return exc.strerror or str(exc)
+
+
+def file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a data file, in words (it does not exist, is a folder, permission
+    denied, ...), or None when it can be opened. Every :class:`OSError` is turned into words here, so
+    the callers that check a data file before reading it share one answer."""
+    p = Path(os.path.expanduser(path))
+    try:
+        mode = p.stat().st_mode
+        if stat.S_ISDIR(mode):
+            return "is a folder, not a file"
+        if not stat.S_ISREG(mode):  # a pipe or device would block or never end
+            return "is not a regular file"
+        with open(p, "rb"):
+            pass
+    except OSError as exc:
+        return os_error_text(exc)
+    except ValueError as exc:  # an embedded NUL byte
+        return f"is not a usable path ({exc})"
+    return None
+
+
+def columns_present(rows: list[Any], limit: int = 20) -> str:
+    """The columns the rows have, in order of first appearance, for a message."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        if isinstance(row, dict):
+            seen.update(dict.fromkeys(str(k) for k in row))
+    names = list(seen)
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def missing_columns(rows: list[Any], keys: list[str], file: str) -> list[str]:
+    """One line for each of ``keys`` that no row of ``file`` has, naming the columns the rows do have
+    (a renamed column is one problem, not one per row); empty when every key is in some row."""
+    dicts = [r for r in rows if isinstance(r, dict)]
+    if not dicts:
+        return []
+    present = {str(k) for r in dicts for k in r}
+    out = []
+    for key in dict.fromkeys(keys):
+        if key not in present:
+            out.append(f"{file}: no row has the column {key!r} (columns present: {columns_present(dicts)})."
+                       + did_you_mean(key, sorted(present)))
+    return out
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSONL, JSON (a list, or ``{"data": [...]}``) or parquet file."""
+    problem = file_problem(path)
+    if problem is not None:
+        raise UserError(f"Cannot read {path}: {problem}.")
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -111,6 +192,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         data = json.loads(text)
     except UserError:
         raise
+    except OSError as exc:
+        raise UserError(f"Cannot read {path}: {os_error_text(exc)}.") from None
     except Exception as exc:
         raise UserError(f"Cannot read {path}: {type(exc).__name__}: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -140,9 +223,13 @@ def read_sources(sources: list[str]) -> dict[str, list[dict[str, Any]]]:
         if not ref.strip():
             raise UserError(f"--source {spec}: give a file or folder after '='.")
         path = Path(os.path.expanduser(ref))
-        if not path.exists():
-            raise UserError(f"--source {spec}: no such file or folder.")
-        files = sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES) if path.is_dir() else [path]
+        try:
+            path.stat()
+            files = sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES) if path.is_dir() else [path]
+        except FileNotFoundError:
+            raise UserError(f"--source {spec}: no such file or folder.") from None
+        except OSError as exc:
+            raise UserError(f"--source {spec}: {os_error_text(exc)}.") from None
         if not files:
             raise UserError(f"--source {spec}: no {', '.join(SOURCE_SUFFIXES)} files in the folder.")
         for f in files:
@@ -293,7 +380,8 @@ def _messages(value: Any, key: str, role: str) -> tuple[Messages | None, str | N
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return None, f"{key}[{j}] must be {{'role': str, 'content': str}}"
         out.append({"role": m["role"], "content": m["content"]})
-    return out, None
+    why = role_problem(out, key)
+    return (None, why) if why else (out, None)
 
 
 def _strip_prefix(reply: Messages, prompt: Messages) -> Messages:
@@ -358,6 +446,21 @@ def preference_pair(row: Any, *, prompt_key: str = "prompt", chosen_key: str = "
     if problems or prompt is None:
         return None, problems
     return PreferencePair(prompt, sides[chosen_key], sides[rejected_key], margin), []
+
+
+def preference_column_problems(rows: list[Any], file: str, *, prompt_key: str = "prompt",
+                               chosen_key: str = "chosen", rejected_key: str = "rejected",
+                               margin_key: str | None = None) -> list[str]:
+    """One line per column a preference file lacks in every row (a renamed column, or the margin column
+    the config names), with the columns it has. The prompt column counts only where some row's replies are
+    text, since whole conversations carry their prompt."""
+    keys = [chosen_key, rejected_key]
+    if any(isinstance(r, dict) and not (isinstance(r.get(chosen_key), (list, tuple))
+                                        and isinstance(r.get(rejected_key), (list, tuple))) for r in rows):
+        keys.insert(0, prompt_key)
+    if margin_key is not None:
+        keys.append(margin_key)
+    return missing_columns(rows, keys, file)
 
 
 def is_preference_file(rows: list[Any], chosen_key: str = "chosen", rejected_key: str = "rejected") -> bool:

@@ -125,6 +125,8 @@ def load_rm_config(pm: Any, *, preset: str | None = None, config_file: str | Seq
 
     raw = build_raw(preset=preset, config_file=config_file, shortcuts={"model": model, "backend": backend},
                     overrides=overrides, preset_family="rm")
+    if isinstance(raw.get("model"), dict) and "path" in raw["model"] and raw["model"]["path"] is None:
+        raw["model"]["path"] = ""  # model.path=null: no model given, said as such below
     problems: list[str] = []
     cfg: RMConfig | None = None
     try:
@@ -151,20 +153,24 @@ def load_rm_config(pm: Any, *, preset: str | None = None, config_file: str | Seq
                 problems.append(f"loggers.{name}: options for a logger that is not on; add it to trainer.loggers "
                                 f"(now {cfg.trainer.loggers})")
         if not cfg.model.path:
-            problems.append("model.path: no model given. Pass --model PATH (a causal LM to put a reward head on, "
-                            "or a sequence classifier), or run `rlx rm train` with no arguments for the built-in "
-                            "task.")
+            problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...): a causal "
+                            f"LM to put a reward head on, or a sequence classifier; add --preset {DEFAULT_PRESET} for "
+                            "the built-in task's model and data (a --config file replaces the preset), or run "
+                            "`rlx rm train` with no arguments.")
         if check_files:
             problems.extend(_file_problems(cfg))
     if problems:
-        raise ConfigError(list(dict.fromkeys(problems)))
+        error = ConfigError(list(dict.fromkeys(problems)))
+        error.hint = ("Run `rlx rm train --help` for the options, or `rlx plugins show NAME` for a component's "
+                      "options.")  # `rlx config show` resolves rlx train's config, not this one
+        raise error
     assert cfg is not None
     return ResolvedRM(cfg, options)
 
 
 def _file_problems(cfg: RMConfig) -> list[str]:
     from rlx import builtin
-    from rlx.datasets import SOURCE_SUFFIXES
+    from rlx.datasets import SOURCE_SUFFIXES, file_problem
     from rlx.validate import output_dir_problems
 
     problems = []
@@ -176,8 +182,11 @@ def _file_problems(cfg: RMConfig) -> list[str]:
             if builtin.is_builtin(ref):
                 continue
             p = Path(os.path.expanduser(ref))
-            if not p.is_file():
+            problem = file_problem(p)
+            if problem == "does not exist":
                 problems.append(f"data.{key}: file {ref!r} does not exist.")
+            elif problem is not None:
+                problems.append(f"data.{key}: cannot read {ref!r}: {problem}.")
             elif p.suffix not in SOURCE_SUFFIXES:
                 problems.append(f"data.{key}: {ref!r} is not a {', '.join(SOURCE_SUFFIXES)} file.")
     problems.extend(output_dir_problems(cfg))  # type: ignore[arg-type]  # reads trainer and run_dir() only
