@@ -10,11 +10,13 @@ The sections ``backend``, ``rollout``, ``algorithm``, ``reward`` and ``launcher`
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import string
+import types
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from pathlib import Path, PurePath
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -76,17 +78,31 @@ class ModelConfig(_Section):
                                        description="Module names or name suffixes that get no adapter.")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
 
-    @field_validator("target_modules")
+    # Before pydantic's own checks: the section coerces numbers to strings, and 5 is no module's name.
+    @field_validator("target_modules", mode="before")
     @classmethod
-    def _modules_named(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and (not v or not all(name.strip() for name in v)):
-            raise ValueError("give all-linear or a non-empty list of module names")
-        return v
+    def _modules_named(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip() == "all-linear":
+            return "all-linear"
+        return _module_names(v, "give all-linear or a non-empty list of module names, e.g. [q_proj,v_proj]")
 
     @field_validator("exclude_modules", mode="before")
     @classmethod
     def _one_or_many_excluded(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+        return _module_names(v, "give a list of module names, e.g. [lm_head]", empty_ok=True)
+
+
+def _module_names(v: Any, accepted: str, empty_ok: bool = False) -> list[str]:
+    """Module names given as a list, one name, or names separated by commas; anything else (a number, a
+    mapping, an empty name) is refused with ``accepted``."""
+    if isinstance(v, str):
+        v = [name.strip() for name in v.split(",")] if v.strip() else []
+    if not isinstance(v, list | tuple) or (not v and not empty_ok):
+        raise ValueError(accepted)
+    for name in v:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{accepted}; {name!r} is not a module name")
+    return [name.strip() for name in v]
 
 
 class DataConfig(_Section):
@@ -448,12 +464,87 @@ def parse_value(raw: str) -> Any:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
-    if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
+    if isinstance(value, str) and raw.strip()[:1] not in ("'", '"'):  # YAML 1.1 reads 1e-6 as a string
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
             return value
     return value
+
+
+def takes_text(annotation: Any) -> bool:
+    """Whether a field of this type holds text and nothing else: ``str``, a path, a ``Literal`` of strings,
+    or one of those or None. Such a field gets an override's value as typed, not as YAML reads it."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return takes_text(get_args(annotation)[0])
+    if origin is Literal:
+        return all(isinstance(a, str) for a in get_args(annotation))
+    if origin is Union or origin is types.UnionType:
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(kinds) and all(takes_text(a) for a in kinds)
+    return isinstance(annotation, type) and issubclass(annotation, str | PurePath)
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``Model`` or ``Model | None``), else None."""
+    if get_origin(annotation) is Union or get_origin(annotation) is types.UnionType:
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = kinds[0] if len(kinds) == 1 else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _field_takes_text(model: type[BaseModel] | None, parts: Sequence[str]) -> bool:
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return False
+        if i == len(parts) - 1:
+            return takes_text(field.annotation)
+        model = _as_model(field.annotation)
+    return False
+
+
+def _plugin_options_model(pm: Any, kind: str, name: Any) -> type[BaseModel] | None:
+    """The options model of the component ``kind``/``name``; None when there is none or it cannot be
+    loaded (validation reports that)."""
+    if not isinstance(name, str):
+        return None
+    try:
+        if pm is None:
+            from rlx.registry import get_plugin_manager
+
+            pm = get_plugin_manager()
+        model = pm.get(kind, name).load_config_model()
+    except Exception:
+        return None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def override_takes_text(schema: type[BaseModel], raw: dict[str, Any], key: str, pm: Any = None) -> bool:
+    """Whether the option ``key`` (dotted) holds text: a field of ``schema`` (the core config), of the
+    options of the plugin a section names (``reward.pattern``: the reward ``raw`` names, or the section's
+    default), or of a logger's options (``loggers.wandb.project``). ``pm``: the plugin manager (None: the
+    process-wide one, asked only for a plugin's option)."""
+    section, _, rest = key.partition(".")
+    field = schema.model_fields.get(section)
+    if field is None or not rest:
+        return False
+    parts = rest.split(".")
+    model = _as_model(field.annotation)
+    given = raw.get(section)
+    if model is not None and issubclass(model, ComponentSection) and parts[0] not in model.model_fields:
+        default = field.get_default(call_default_factory=True)
+        name = given.get("name", default.name) if isinstance(given, dict) else default.name
+        return _field_takes_text(_plugin_options_model(pm, section, name), parts)
+    if model is None and section == "loggers" and len(parts) > 1:
+        return _field_takes_text(_plugin_options_model(pm, "logger", parts[0]), parts[1:])
+    return _field_takes_text(model, parts)
+
+
+def _read_as_other_than_text(value: Any) -> bool:
+    """YAML read the text as a number, a boolean or a date (``010`` as 8, ``no`` as False)."""
+    return isinstance(value, bool | int | float | datetime.date)
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -530,11 +621,16 @@ def build_raw(
     shortcuts: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
     preset_family: str = "train",
+    pm: Any = None,
 ) -> dict[str, Any]:
     """Merge every source into one plain dict (not yet validated).
 
     ``config_file`` may be several files: they are merged in order, a later file's keys over an earlier's.
     ``preset_family`` is the command whose presets ``preset`` names (``train`` or ``rm``).
+
+    An override's value is read as YAML (numbers, lists, true), except where the option it sets holds text
+    (:func:`override_takes_text`; ``pm`` finds the plugins' options): there a value YAML would read as a
+    number, boolean or date is kept as typed (``trainer.experiment=010`` is ``"010"``, not 8).
     """
     raw: dict[str, Any] = {}
     if preset:
@@ -549,6 +645,7 @@ def build_raw(
     for flag, value in (shortcuts or {}).items():
         if value is not None:
             set_dotted(raw, SHORTCUTS[flag], value)
+    applied: list[tuple[str, str, Any]] = []
     for text in overrides or []:
         try:
             key, value = parse_override(text)
@@ -556,9 +653,34 @@ def build_raw(
             problems.extend(exc.problems)
             continue
         set_dotted(raw, key, value)
+        applied.append((key, text.partition("=")[2].strip(), value))
+    # Once every source is in (the plugin a section names may come last), text options get their text.
+    schema = _schema_of(preset_family)
+    for key, text, value in applied:
+        if (_read_as_other_than_text(value) and get_dotted(raw, key) is value
+                and override_takes_text(schema, raw, key, pm)):
+            set_dotted(raw, key, text)
     if problems:
         raise ConfigError(problems)
     return raw
+
+
+def _schema_of(preset_family: str) -> type[BaseModel]:
+    if preset_family == "rm":
+        from rlx.rm_config import RMConfig
+
+        return RMConfig
+    return RLXConfig
+
+
+def get_dotted(tree: dict[str, Any], key: str) -> Any:
+    """The value at ``a.b.c`` in nested dicts; None where a part is missing."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
 
 
 # ---------------------------------------------------------------------------------------------

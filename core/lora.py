@@ -10,6 +10,7 @@ time by :func:`merged_weights`; the model itself is never merged in place, so tr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +98,11 @@ def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: 
         r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
         target_modules=lora["target_modules"], exclude_modules=excluded or None, modules_to_save=head or None,
         task_type="TOKEN_CLS" if value_head else "CAUSAL_LM", bias="none")
-    wrapped = get_peft_model(model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
+    with warnings.catch_warnings():
+        # peft asks the model for transformers' deprecated is_gradient_checkpointing: a FutureWarning meant
+        # for peft's authors, printed on every LoRA run.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        wrapped = get_peft_model(model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
     dtype = adapter_dtype or torch.float32
     for name, param in wrapped.named_parameters():
         if is_adapter(name):

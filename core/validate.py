@@ -44,11 +44,13 @@ class Resolved:
 
 
 def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str, Any], path: str,
-                       core_keys: list[str], problems: list[str], name_path: str | None = None) -> BaseModel | None:
+                       core_keys: list[str], problems: list[str], name_path: str | None = None,
+                       check_requirements: bool = True) -> BaseModel | None:
     """Validate one plugin's options; append problems (with dotted paths) instead of raising.
 
     ``path`` is where the options live (``algorithm``, ``loggers.swanlab``); ``name_path`` is where the
-    plugin's name was given (``algorithm.name``, ``trainer.loggers``).
+    plugin's name was given (``algorithm.name``, ``trainer.loggers``). ``check_requirements``: the
+    optional packages the component needs (:func:`rlx.registry.requirements`) must be installed.
     """
     name_path = name_path or path + ".name"
     try:
@@ -70,6 +72,8 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
     if model is None:
         if given:
             problems.append(f"{path}: {kind} {name!r} takes no options; got {', '.join(sorted(given))}")
+        elif check_requirements:
+            problems.extend(_requirement_problems(comp, None, path, name_path))
         return None
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"{path}: the config_model of {fault} must be a pydantic model class; got {model!r}. {fix}")
@@ -83,6 +87,11 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
     except Exception as exc:  # a validator of the plugin that raises something pydantic does not wrap
         problems.append(f"{path}: the options check of {fault} failed: {describe_exception(exc)}. {fix}")
         return None
+    if check_requirements:
+        lacking = _requirement_problems(comp, options, path, name_path)
+        if lacking:  # the plugin's own checks would look into those packages
+            problems.extend(lacking)
+            return options
     # Options that name other components (an algorithm's adv_estimator) check those names here.
     check = getattr(options, "plugin_problems", None)
     if callable(check):
@@ -91,6 +100,26 @@ def _component_options(pm: PluginManager, kind: str, name: str, given: dict[str,
         except Exception as exc:
             problems.append(f"{path}: the options check of {fault} failed: {describe_exception(exc)}. {fix}")
     return options
+
+
+def _requirement_problems(comp: Component, options: Any, path: str, name_path: str) -> list[str]:
+    """One line for a component whose optional packages are not installed: which, and how to install them."""
+    from rlx.registry import missing_requirements
+
+    missing = missing_requirements(comp, options)
+    if not missing:
+        return []
+    packages = list(dict.fromkeys(f"`{r.package}`" for r in missing))
+    what = (f"the Python package {packages[0]}, which is" if len(packages) == 1
+            else f"the Python packages {' and '.join(packages)}, which are")
+    installs = "; ".join(dict.fromkeys(r.install for r in missing))
+    others = [f"set {path}.{r.unless}" for r in missing if r.unless]
+    others += [f"change {path}.{r.when[0]}" for r in missing if r.when is not None]
+    others.append("take it off trainer.loggers" if comp.kind == "logger"
+                  else f"choose another {comp.kind} (`rlx plugins list`)")
+    given = "".join(f" with {path}.{r.when[0]}={r.when[1]}" for r in missing if r.when is not None)
+    return [f"{name_path}: {comp.kind} {comp.name!r}{given} needs {what} not installed. Install it with: {installs}; "
+            f"or {', or '.join(others)}."]
 
 
 def _missing_factory_module(comp: Component) -> str:
@@ -169,8 +198,9 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
             check_run_dir: bool = False) -> Resolved:
     """Validate everything; raise one :class:`ConfigError` with every problem found.
 
-    ``check_files`` checks that the data files exist; ``check_run_dir`` that the run folder can be created
-    and written (:func:`output_dir_problems`), for commands that train.
+    ``check_files`` checks that the data files exist and that the optional packages the chosen components
+    need are installed; ``check_run_dir`` that the run folder can be created and written
+    (:func:`output_dir_problems`), for commands that train.
     """
     from rlx.data import check_files as file_problems
 
@@ -186,11 +216,11 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     options: dict[str, Any] = {}
     for section, (name, given) in view.sections.items():
         options[section] = _component_options(pm, COMPONENT_SECTIONS[section], name, given, section,
-                                              _core_keys(section), problems)
+                                              _core_keys(section), problems, check_requirements=check_files)
     for name in view.loggers:
         options[f"loggers.{name}"] = _component_options(
             pm, "logger", name, dict(view.logger_options.get(name, {})), f"loggers.{name}", [], problems,
-            name_path="trainer.loggers")
+            name_path="trainer.loggers", check_requirements=check_files)
     for name in view.logger_options:
         if name not in view.loggers:
             problems.append(f"loggers.{name}: options for a logger that is not on; add it to trainer.loggers "
@@ -205,8 +235,9 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
         problems.extend(output_dir_problems(cfg))
     if check_files:
         if view.train_files == []:
-            problems.append("data.train_files: no training data given. Pass data.train_files=FILE.parquet; "
-                            "`rlx data prepare gsm8k --out DIR` writes one.")
+            problems.append("data.train_files: no training data given. Pass data.train_files=FILE.parquet "
+                            "(`rlx data prepare gsm8k --out DIR` writes one), or add --preset tiny for the "
+                            "built-in tiny job's data.")
         problems.extend(file_problems(view.train_files or [], "data.train_files"))
         problems.extend(file_problems(view.val_files or [], "data.val_files"))
     if problems:
@@ -241,7 +272,30 @@ def training_problems(cfg: RLXConfig) -> list[str]:
     from rlx.plugins.backends.ulysses import config_problems as ulysses_problems
 
     problems.extend(ulysses_problems(cfg))
+    problems.extend(attention_problems(cfg.backend.options(), cfg.trainer.device))
     return problems
+
+
+def attention_problems(backend_options: dict[str, Any], device: str, prefix: str = "backend") -> list[str]:
+    """``attn_implementation=flash_attention_2`` where it cannot load: without the flash-attn package, or
+    without a CUDA GPU (transformers would raise an ImportError while loading the model)."""
+    if backend_options.get("attn_implementation") != "flash_attention_2":
+        return []
+    lacking = []
+    if importlib.util.find_spec("flash_attn") is None:
+        lacking.append("the flash-attn package is not installed")
+    if device == "cpu":
+        lacking.append("trainer.device is cpu")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            lacking.append("no CUDA GPU is available")
+    if not lacking:
+        return []
+    return [f"{prefix}.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA GPU, but "
+            f"{' and '.join(lacking)}. Use {prefix}.attn_implementation=sdpa (the default, which also packs "
+            "sequences), or install flash-attn (pip install flash-attn) on a machine with a CUDA GPU."]
 
 
 def _core_keys(section: str) -> list[str]:
@@ -291,5 +345,5 @@ def check_output_dir(cfg: RLXConfig) -> None:
 def load_config(pm: PluginManager, *, preset: str | None = None, config_file: str | Sequence[str] | None = None,
                 shortcuts: dict[str, str | None] | None = None, overrides: list[str] | None = None,
                 check_files: bool = True, check_run_dir: bool = False) -> Resolved:
-    raw = build_raw(preset=preset, config_file=config_file, shortcuts=shortcuts, overrides=overrides)
+    raw = build_raw(preset=preset, config_file=config_file, shortcuts=shortcuts, overrides=overrides, pm=pm)
     return resolve(raw, pm, check_files=check_files, check_run_dir=check_run_dir)
