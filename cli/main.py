@@ -5,9 +5,12 @@ Nothing here imports torch at module level, so ``rlx --help`` and ``rlx plugins 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -296,18 +299,98 @@ def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOp
             raise UserError(f"--resume is a flag and takes no value; got --resume {overrides[0]}.",
                             "Write `rlx train --resume` to continue from the last complete checkpoint.")
         overrides.append("trainer.resume=must")
+    if config and preset is None:
+        typer.echo(f"Note: --config replaces the built-in preset {DEFAULT_PRESET!r}: the file's keys apply on top of "
+                   f"rlx's defaults. Add --preset {DEFAULT_PRESET} to start from the preset instead.", err=True)
     resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, launcher=launcher,
                         nproc=nproc)
     _quiet_libraries()
     from rlx.trainer import Trainer
 
     trainer = Trainer(resolved, _pm())
-    trainer.fit()
+    with _sigterm_as_interrupt():
+        try:
+            trainer.fit()
+        except KeyboardInterrupt as stop:
+            _report_interrupt(trainer, stop)
+            raise typer.Exit(EXIT_SIGTERM if isinstance(stop, Terminated) else EXIT_INTERRUPTED) from None
     typer.echo(f"Run folder: {trainer.run_dir}")
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_SIGTERM = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during training (a scheduler or `kill`): stopped as Ctrl-C stops it, loggers finished."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While training, SIGTERM raises :class:`Terminated` in the main thread instead of ending the process
+    on the spot, so that it ends as Ctrl-C does: loggers finished, workers stopped, the resume command said."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (rlx driven from a thread): the default handling stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _report_interrupt(trainer: Any, stop: KeyboardInterrupt) -> None:
+    """What an interrupted run did, the checkpoint it would resume from and the command that does."""
+    from rlx import checkpoint
+
+    how = "by SIGTERM" if isinstance(stop, Terminated) else "(Ctrl-C)"
+    typer.echo(f"Training interrupted {how} at step {trainer.steps_done}/{trainer.total_steps}.", err=True)
+    last, _ = checkpoint.latest_verified(trainer.ckpt_root)
+    if last is None:
+        every = trainer.cfg.trainer.save_freq
+        when = f"one is saved every {every} steps" if every > 0 else "trainer.save_freq=N saves one every N steps"
+        typer.echo(f"No checkpoint yet in {trainer.ckpt_root} ({when}): running the command again starts from "
+                   "scratch:", err=True)
+        typer.echo(f"  {_command_line(resume=False)}", err=True)
+        return
+    step = checkpoint.read_state(last)["step"]
+    typer.echo(f"Last complete checkpoint: {last} (step {step}).", err=True)
+    typer.echo("To resume from it:", err=True)
+    typer.echo(f"  {_command_line(resume=True)}", err=True)
+
+
+def _command_line(resume: bool) -> str:
+    """The command this process runs (``sys.argv``), with ``--resume`` added when ``resume`` (and any
+    ``trainer.resume=...`` override taken out, which ``--resume`` replaces), or taken out when not."""
+    import shlex
+
+    program = os.path.basename(sys.argv[0])
+    head = ["rlx"] if program == "rlx" else ["python", "-m", "rlx"] if program == "__main__.py" else [sys.argv[0]]
+    args = [a for a in sys.argv[1:] if a != "--resume" and not a.startswith("trainer.resume=")]
+    return shlex.join(head + args + (["--resume"] if resume else []))
 
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    import rlx
+
+    # rlx's own warnings as one line each ("Warning: ..."), not Python's file:line and source-line pair;
+    # a library's warnings keep Python's format.
+    own = os.path.dirname(os.path.abspath(rlx.__file__)) + os.sep
+    show = warnings.showwarning
+
+    def one_line(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if not os.path.abspath(filename).startswith(own):
+            return show(message, category, filename, lineno, file, line)
+        print(f"Warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = one_line
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

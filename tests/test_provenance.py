@@ -161,7 +161,8 @@ def test_replay_of_the_built_in_job_reproduces_its_metrics_and_refuses_after_a_d
     assert record["command"]["argv"][1:3] == ["train", f"data.train_files={tmp_path / 'arith-train.parquet'}"]
     replay = rlx("replay", str(run), cwd=tmp_path, timeout=900)
     assert replay.returncode == 0, replay.stdout + replay.stderr[-3000:]
-    assert "The replay's metrics equal the recorded run's at every step (2)" in replay.stdout
+    # Steps 0 (the preset's validation before training), 1 and 2.
+    assert "The replay's metrics equal the recorded run's at every step (3)" in replay.stdout
     assert (run / "replay" / "metrics.jsonl").is_file()
 
     with open(tmp_path / "arith-test.parquet", "ab") as f:  # the validation file changes

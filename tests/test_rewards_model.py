@@ -137,7 +137,8 @@ def test_mix_of_rule_and_reward_model_trains_end_to_end(tmp_path, rm_path):
                   f"{{name: reward_model, weight: 0.3, options: {{path: '{rm_path}', batch_size: 32}}}}]")
     proc = subprocess.run(
         [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "reward.name=mix", components,
-         "trainer.total_steps=2", "trainer.test_freq=2", "rollout.val_n=2", "rollout.val_temperature=1.0",
+         "trainer.total_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false", "rollout.val_n=2",
+         "rollout.val_temperature=1.0",
          "data.val_batch_size=64", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false", "trainer.save_freq=0",
          f"trainer.output_dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)

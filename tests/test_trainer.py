@@ -43,15 +43,17 @@ def test_default_job_learns(tmp_path: Path) -> None:
     assert "built-in preset 'tiny'" in result.stderr
     run = tmp_path / "outputs" / "rlx" / "tiny-grpo"
     rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 121))
+    assert [r["step"] for r in rows] == list(range(0, 121))  # step 0: validation before training
     train = [r for r in rows if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in train]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     acc = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
     print(f"accuracy {acc}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert sorted(acc) == [20, 40, 60, 80, 100, 120] and acc[120] >= 0.6, acc  # chance: test_algorithms_learn
+    assert sorted(acc) == [0, 20, 40, 60, 80, 100, 120] and acc[120] >= 0.6, acc  # chance: test_algorithms_learn
+    assert acc[0] <= 0.2, acc  # before training: chance (0.02 measured)
     assert last >= first + 0.4, (first, last)
     assert "val acc" in result.stdout  # validation is shown on the console, next to the reward
+    assert result.stdout.splitlines()[0].startswith("step 0/120 | val acc ")  # before the first step
     for key in ("reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "timing/gen", "timing/update_actor",
                 "perf/tokens_per_second", "perf/throughput", "perf/time_share/gen", "perf/time_share/update_actor"):

@@ -17,6 +17,7 @@ plain lines alone.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -213,10 +214,14 @@ class ConsoleLogger:
         if self.last_step is None:
             self._print("done: no steps logged")
             return
-        parts = [f"done: step {self.last_step}" + (f"/{self.total}" if self.total else "")]
+        # Called while an error or Ctrl-C is on its way out of the trainer (which finishes its loggers in a
+        # `finally`), the run stopped: it is not done.
+        stopped = sys.exc_info()[1] is not None
+        steps = f"step {self.last_step}" + (f"/{self.total}" if self.total else "")
+        parts = [f"stopped at {steps}" if stopped else f"done: {steps}"]
         mean = _num(self.last_metrics, "reward/mean")
         if mean is not None:
-            parts.append(f"final reward {fmt_number(mean)}")
+            parts.append(f"{'last' if stopped else 'final'} reward {fmt_number(mean)}")
         if self.last_val_acc is not None:
             parts.append(f"last validation acc {fmt_number(self.last_val_acc)}")
         elapsed = time.monotonic() - self.started

@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
-from rlx.plugins.rollout import process_rank
 from rlx.protocols import SamplingParams
 
 if TYPE_CHECKING:
@@ -347,22 +346,28 @@ class VLLMRollout:
                 shutdown()
 
 
-def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
+def engine_arguments(options: VLLMRolloutOptions, ctx: BuildContext) -> dict[str, Any]:
+    """The keyword arguments of :class:`VLLMRollout` for the engine ``ctx`` describes. Each engine of a pool
+    samples with its own seed, ``trainer.seed`` plus its rank in the pool (``ctx.rank``, given by the
+    launcher that builds the pool): with one seed, N engines would draw the same responses to a prompt."""
     from rlx.data import resolve_path
 
     cfg = ctx.config
     assert cfg is not None and ctx.tokenizer is not None
+    tok = ctx.tokenizer
+    eos = tok.eos_token_id
+    return {"model_path": resolve_path(cfg.model.path), "options": options,
+            "eos_token_ids": [eos] if isinstance(eos, int) else list(eos), "pad_token_id": tok.pad_token_id,
+            "seed": cfg.trainer.seed + ctx.rank, "trust_remote_code": cfg.model.trust_remote_code,
+            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length}
+
+
+def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
     options = options or VLLMRolloutOptions()
     problems = options.plugin_problems(None)
     if problems:
         raise UserError("The vllm rollout engine cannot start: " + "; ".join(f"rollout.{p}" for p in problems))
-    tok = ctx.tokenizer
-    eos = tok.eos_token_id
-    rank = process_rank()
-    eos_ids = [eos] if isinstance(eos, int) else list(eos)
-    return VLLMRollout(resolve_path(cfg.model.path), options, eos_token_ids=eos_ids, pad_token_id=tok.pad_token_id,
-                       seed=cfg.trainer.seed + rank, trust_remote_code=cfg.model.trust_remote_code,
-                       max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    return VLLMRollout(**engine_arguments(options, ctx))
 
 
 @hookimpl
