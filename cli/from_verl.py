@@ -224,6 +224,13 @@ DIRECT: dict[str, str] = {
     AA + "clip_ratio_high": "algorithm.clip_ratio_high",
     AA + "clip_ratio_c": "algorithm.clip_ratio_c",
     AA + "policy_loss.loss_mode": "algorithm.policy_loss",
+    AA + "policy_loss.clip_cov_ratio": "algorithm.clip_cov_ratio",
+    AA + "policy_loss.clip_cov_lb": "algorithm.clip_cov_lb",
+    AA + "policy_loss.clip_cov_ub": "algorithm.clip_cov_ub",
+    AA + "policy_loss.kl_cov_ratio": "algorithm.kl_cov_ratio",
+    AA + "policy_loss.ppo_kl_coef": "algorithm.ppo_kl_coef",
+    AA + "tau_pos": "algorithm.tau_pos",
+    AA + "tau_neg": "algorithm.tau_neg",
     AA + "use_kl_loss": "algorithm.use_kl_loss",
     AA + "kl_loss_coef": "algorithm.kl_loss_coef",
     AA + "kl_loss_type": "algorithm.kl_loss_type",
@@ -655,7 +662,26 @@ def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
             t.unmapped.append((t.sources.pop(key), f"this rlx has no {key}"))
             del t.settings[key]
     _check_epochs(t)
+    _drop_remote_code(t)
     return t
+
+
+def _drop_remote_code(t: Translation) -> None:
+    """A verl config never runs code by itself: ``trust_remote_code`` (a model folder's own Python) and the
+    custom reward's file are left out, each with a note saying how to ask for it on the command line."""
+    for key in ("model.trust_remote_code", "reward.trust_remote_code"):
+        value = t.settings.get(key)
+        if key in t.settings and value not in (False, None, "false", "False", 0):
+            source = t.sources.pop(key, key)
+            del t.settings[key]
+            t.notes.append(f"{source}={value} is left out: rlx runs a model folder's own code only when you ask "
+                           f"on its command line; add {key}=true to the rlx command if you trust that code")
+    path = t.settings.get("reward.path")
+    if isinstance(path, str) and path:  # the custom reward: importing the file runs it
+        source = t.sources.pop("reward.path", "custom_reward_function.path")
+        del t.settings["reward.path"]
+        t.notes.append(f"{source}={path} is left out: rlx imports a reward file only when you name it on its "
+                       f"command line; add reward.path={path} to the rlx command if you trust that code")
 
 
 def _check_epochs(t: Translation) -> None:

@@ -6,6 +6,12 @@ package, plugin or Python version that differs, or a data, model or reward file 
 differs, stops the replay (exit 2) with a message naming each one; ``--force`` replays anyway and
 prints them as warnings. Afterwards every metric of every step is compared with the recorded
 ``metrics.jsonl`` (timings and throughput left out): exit 0 when all are equal, 1 when some differ.
+
+The run folder is data, perhaps someone else's: its files are checked before they are used (a damaged
+``config.yaml``, ``provenance.json`` or ``metrics.jsonl``, or a link in place of one, is named, exit 2), a config
+that asks to run code (a ``custom`` reward's Python file, ``trust_remote_code``) is refused unless
+``--trust-code`` is given, and the replay writes only in its own folder (never the run's; loggers' places
+outside are brought back into it). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -40,6 +46,77 @@ def compare_metrics(recorded: list[dict[str, Any]], replayed: list[dict[str, Any
     return out
 
 
+def _read_config(run: Path) -> tuple[Path, dict[str, Any]]:
+    """The run's ``config.yaml`` as a mapping; a :class:`UserError` naming the file when it is not one."""
+    import yaml
+
+    from rlx.run_files import printable
+
+    config_path = run / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{printable(run)}: no config.yaml there.", "Give the folder of a run that rlx train started.")
+    try:
+        config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{printable(config_path)} cannot be read as YAML: {printable(exc)}.",
+                        "Restore the run's config.yaml (it is written once, when the run starts).") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{printable(config_path)} holds a {type(config).__name__}, not the mapping of sections "
+                        "that rlx train writes.", "Restore the run's config.yaml.")
+    return config_path, config
+
+
+def read_recorded_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics file, each with an integer ``step``; a :class:`UserError` naming the
+    file and line otherwise (read before the replay trains, so a damaged file costs no training)."""
+    from rlx.plugins.loggers.jsonl import read_metrics
+    from rlx.run_files import printable
+
+    try:
+        records = read_metrics(path, dedupe=False)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{printable(path)} cannot be read as the jsonl logger's metrics: {printable(exc)}.",
+                        "Restore the run's metrics file, or remove it to replay without comparing.") from None
+    for i, record in enumerate(records):
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise UserError(f"{printable(path)}: record {i + 1} has step {printable(repr(step))}, not a whole number.",
+                            "Restore the run's metrics file, or remove it to replay without comparing.")
+    by_step = {record["step"]: record for record in records}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _check_out(run: Path, target: Path) -> None:
+    """Refuse a replay folder that is the run folder, holds it, or lies in one of the run's own files."""
+    from rlx.run_files import RUN_FILES, printable
+
+    here, there = run.resolve(), target.resolve()
+    own = [here / name for name in RUN_FILES if name != "replay"]
+    if there == here or here.is_relative_to(there) or any(there.is_relative_to(p) for p in own):
+        raise UserError(f"--out {printable(target)}: the replay would write into the run it replays "
+                        f"({printable(run)}), over its record.",
+                        "Leave out --out (the replay goes to RUN/replay), or give a folder outside the run.")
+
+
+def _logger_places(config: dict[str, Any]) -> list[str]:
+    """Overrides that bring back into the replay folder the loggers' places the run's config puts elsewhere
+    (an absolute or ``~`` logdir, a tracking URI): a replay writes only in its own folder."""
+    from rlx.run_files import is_outside, printable
+
+    overrides = []
+    options = config.get("loggers") if isinstance(config.get("loggers"), dict) else {}
+    for name, opts in options.items():
+        if not isinstance(opts, dict):
+            continue
+        for key in ("logdir", "tracking_uri"):
+            value = opts.get(key)
+            if isinstance(value, str) and (key == "tracking_uri" or is_outside(value)):
+                typer.echo(f"Note: the run's loggers.{name}.{key}={printable(value)} points outside the run folder; "
+                           f"the replay logs into its own folder instead.", err=True)
+                overrides.append(f"loggers.{name}.{key}=null")
+    return overrides
+
+
 def replay_command(
         run: Annotated[Path, typer.Argument(help="The run folder (it holds config.yaml and provenance.json).")],
         force: Annotated[bool, typer.Option("--force", metavar="", help="Replay even where a version or file "
@@ -47,52 +124,68 @@ def replay_command(
         = False,
         out: Annotated[Path | None, typer.Option("--out", help="Run folder of the replay. Default: RUN/replay.")]
         = None,
+        trust_code: Annotated[bool, typer.Option(
+            "--trust-code", metavar="", help="Run the code the run's config names (a custom reward's Python file, "
+            "a model folder's own code with trust_remote_code). Without it such a run is refused.")] = False,
 ) -> None:
     """Run a run again from its folder (config.yaml), refusing where a recorded version or file hash differs."""
-    import yaml
-
     from rlx import provenance
     from rlx.cli.main import _pm, _quiet_libraries
-    from rlx.plugins.loggers.jsonl import read_metrics
+    from rlx.run_files import check_run_folder_links, printable, refuse_code
     from rlx.validate import load_config
 
-    config_path = run / "config.yaml"
-    if not config_path.is_file():
-        raise UserError(f"{run}: no config.yaml there.", "Give the folder of a run that rlx train started.")
-    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    run = run.expanduser()
+    if not run.is_dir():
+        raise UserError(f"{printable(run)}: no config.yaml there (no such folder).",
+                        "Give the folder of a run that rlx train started.")
+    check_run_folder_links(run)
+    config_path, config = _read_config(run)
+    target = (out or run / "replay").expanduser()
+    _check_out(run, target)
     pm = _pm()
+    literal = str(target).replace("{", "{{").replace("}", "}}")
+    overrides = [f"trainer.output_dir={json.dumps(literal)}", "trainer.resume=never", *_logger_places(config)]
+    # The config is checked first, as data: its types, then whether it asks to run code, before anything loads.
+    try:
+        checked = load_config(pm, config_file=[str(config_path)], overrides=overrides, check_files=False)
+    except UserError as exc:
+        raise UserError(f"{printable(config_path)} is not a config this rlx accepts. {exc.message}", exc.hint) from None
+    if not trust_code:
+        refuse_code(checked.as_dict(), str(config_path), "replay")
+    metrics_name = str(getattr(checked.options.get("loggers.jsonl"), "filename", "metrics.jsonl"))
+    check_run_folder_links(run, [metrics_name])
+    recorded_metrics = read_recorded_metrics(run / metrics_name) if (run / metrics_name).is_file() else None
+
     problems: list[str] = []
     if not (run / provenance.FILENAME).is_file():
-        problems.append(f"{run / provenance.FILENAME} does not exist, so nothing can be checked")
+        problems.append(f"{printable(run / provenance.FILENAME)} does not exist, so nothing can be checked")
     else:
         recorded = provenance.read(run)
-        problems = provenance.differences(recorded, provenance.collect(config, pm))
+        problems = provenance.differences(recorded, provenance.collect(checked.as_dict(), pm))
     if problems and not force:
-        raise UserError(f"Cannot replay {run} as it ran: " + "; ".join(problems) + ".",
+        raise UserError(f"Cannot replay {printable(run)} as it ran: " + "; ".join(problems) + ".",
                         "Restore them, or pass --force to replay anyway.")
     for problem in problems:
         typer.echo(f"Warning: {problem}", err=True)
 
-    target = out or run / "replay"
-    literal = str(target).replace("{", "{{").replace("}", "}}")
-    resolved = load_config(pm, config_file=[str(config_path)],
-                           overrides=[f"trainer.output_dir={json.dumps(literal)}", "trainer.resume=never"],
-                           check_files=True, check_run_dir=True)
+    resolved = load_config(pm, config_file=[str(config_path)], overrides=overrides, check_files=True,
+                           check_run_dir=True)
     _quiet_libraries()
+    from rlx.plugins.loggers.jsonl import read_metrics
     from rlx.trainer import Trainer
 
     trainer = Trainer(resolved, pm)
     trainer.fit()
     typer.echo(f"Replay folder: {trainer.run_dir}")
-    if not (run / "metrics.jsonl").is_file() or not (trainer.run_dir / "metrics.jsonl").is_file():
+    replayed = trainer.run_dir / metrics_name
+    if recorded_metrics is None or not replayed.is_file():
         typer.echo("No metrics.jsonl in both folders (the jsonl logger was off): nothing to compare.")
         return
-    differ = compare_metrics(read_metrics(run, dedupe=True), read_metrics(trainer.run_dir, dedupe=True))
+    differ = compare_metrics(recorded_metrics, read_metrics(replayed, dedupe=True))
     if differ:
         typer.echo(f"The replay differs from the recorded run in {len(differ)} value(s):")
         for line in differ[:20]:
-            typer.echo(f"  {line}")
+            typer.echo(f"  {printable(line)}")
         raise typer.Exit(1)
-    steps = len(read_metrics(run, dedupe=True))
-    typer.echo(f"The replay's metrics equal the recorded run's at every step ({steps}) "
+    typer.echo(f"The replay's metrics equal the recorded run's at every step ({len(recorded_metrics)}) "
                f"(timing/ and perf/ metrics left out).")

@@ -94,12 +94,17 @@ def manifest(folder: Path) -> dict[str, dict[str, Any]]:
 
 def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, Any],
          keep: int | None = None) -> Path:
-    """Write checkpoint ``step`` under ``root`` with ``write(tmp_folder)``; return its final path."""
-    make_dir(root)
+    """Write checkpoint ``step`` under ``root`` with ``write(tmp_folder)``; return its final path.
+
+    ``root`` and the checkpoint folder are private (0700) when the folder holding them is (the run folder)."""
+    from rlx.run_files import is_private
+
+    make_dir(root, private=is_private(root.parent))
     for stale in root.glob(".tmp-*"):
         remove_tree(stale)
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
+    make_dir(tmp, private=is_private(root))
     write(tmp)
     marker = tmp / MARKER
     with open(marker, "w") as f:

@@ -164,21 +164,62 @@ def collect(config: Mapping[str, Any], pm: Any, argv: list[str] | None = None) -
 
 
 def write(run_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
-    """Write ``provenance.json`` in ``run_dir`` atomically (a temporary file renamed over it)."""
-    path = Path(run_dir) / FILENAME
-    tmp = path.with_name(f".{FILENAME}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    """Write ``provenance.json`` in ``run_dir`` atomically (a temporary file renamed over it, never written
+    through a link; 0600 in a private run folder)."""
+    from rlx.run_files import write_private
+
+    return write_private(Path(run_dir) / FILENAME, json.dumps(record, indent=2, sort_keys=False) + "\n")
 
 
 def read(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / FILENAME).read_text(encoding="utf-8"))
+    """The record of ``run_dir/provenance.json``; a :class:`~rlx.errors.UserError` naming the file and the field
+    when it is not valid JSON or a field has the wrong type (a file is data: it may be damaged or crafted)."""
+    from rlx.errors import UserError
+    from rlx.run_files import printable
+
+    path = Path(run_dir) / FILENAME
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{printable(path)} cannot be read as JSON: {printable(exc)}.",
+                        "Restore the file from the run's copy, or remove it and replay with --force.") from None
+    problem = record_problem(record)
+    if problem is not None:
+        raise UserError(f"{printable(path)} is not a provenance record rlx wrote: {printable(problem)}.",
+                        "Restore the file from the run's copy, or remove it and replay with --force.")
+    return record
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes ``record`` unlike the record :func:`collect` writes (the first thing found), or None."""
+    if not isinstance(record, dict):
+        return f"the top level is a {type(record).__name__}, not an object"
+    for section in ("versions", "plugins", "files"):
+        if not isinstance(record.get(section, {}), dict):
+            return f"{section!r} is a {type(record[section]).__name__}, not an object"
+    for name, version in record.get("versions", {}).items():
+        if version is not None and not isinstance(version, str):
+            return f"versions.{name} is {version!r}, not a version string or null"
+    for comp, entry in record.get("plugins", {}).items():
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("distribution", "version"))):
+            return f"plugins.{comp} is {entry!r}, not {{'distribution': str, 'version': str}}"
+    for key, entry in record.get("files", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            return f"files.{key} is {entry!r}, not an object with a 'path' string"
+        for field in ("sha256", "revision"):
+            if field in entry and not isinstance(entry[field], str):
+                return f"files.{key}.{field} is {entry[field]!r}, not a string"
+        if not entry.get("hub_id") and not entry.get("missing") and "sha256" not in entry:
+            return f"files.{key} has no sha256 (nor 'missing' or 'hub_id')"
+    return None
 
 
 def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Each way the current environment differs from the recorded one, as a sentence naming the file,
-    package or plugin (an empty list: nothing that provenance records has changed)."""
+    package or plugin (an empty list: nothing that provenance records has changed). Text from the record is
+    printed with its control characters escaped (:func:`rlx.run_files.printable`)."""
+    from rlx.run_files import printable
+
     out = []
     for name, was in recorded.get("versions", {}).items():
         now = current.get("versions", {}).get(name)
@@ -209,4 +250,4 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list
     for key in current.get("files", {}):
         if key not in recorded.get("files", {}):
             out.append(f"{key}: {current['files'][key]['path']} was not part of the recorded run")
-    return out
+    return [printable(line) for line in out]

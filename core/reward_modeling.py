@@ -28,10 +28,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx import checkpoint
-from rlx.datasets import Messages, PreferencePair, preference_pair, read_records
+from rlx.datasets import (
+    Messages,
+    PreferencePair,
+    file_problem,
+    preference_column_problems,
+    preference_pair,
+    read_records,
+)
 from rlx.errors import UserError, describe_exception
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, pick_device
 from rlx.protocols import RoleSpec, RunInfo
+from rlx.run_files import check_run_folder_links, write_private
 
 if TYPE_CHECKING:
     import torch
@@ -109,11 +117,22 @@ def read_pairs(refs: list[str], data: RMDataConfig, source_key: str) -> list[Pre
     rows_seen = 0
     for ref in refs:
         path = Path(resolve_path(ref))
-        if path.is_dir():
+        problem = file_problem(path)
+        if problem == "is a folder, not a file":
             raise UserError(f"{source_key}: {ref} is a folder; give a preference file (parquet, JSONL or JSON).")
-        if not path.is_file():
+        if problem == "does not exist":
             raise UserError(f"{source_key}: {ref}: no such file.")
+        if problem is not None:
+            raise UserError(f"{source_key}: cannot read {ref}: {problem}.")
         rows = read_records(path)
+        missing = preference_column_problems(rows, ref, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
+                                             rejected_key=data.rejected_key, margin_key=data.margin_key)
+        if missing:
+            margin = (f" data.margin_key={data.margin_key} names the margin column; leave it unset (null) for "
+                      "no margin." if data.margin_key is not None else "")
+            raise UserError(f"{source_key}: " + "\n".join(missing),
+                            "Name the columns with data.prompt_key, data.chosen_key and data.rejected_key."
+                            + margin)
         rows_seen += len(rows)
         for i, row in enumerate(rows):
             pair, problems = preference_pair(row, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
@@ -313,6 +332,7 @@ class RewardModelTrainer:
         self.start = start_kind(self.model_path, cfg.model.trust_remote_code)
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
+        check_run_folder_links(self.run_dir)  # its own files are never links to elsewhere
         self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, self.cfg.trainer.resume)
         checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
@@ -363,7 +383,7 @@ class RewardModelTrainer:
         try:
             if self.resume_from is not None:
                 self._load(self.resume_from)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+            write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
             if self.val_set is not None and t.val_before_train and self.step == 0:
                 self._log(self.validate(), 0)
             while self.step < self.total_steps:

@@ -35,6 +35,7 @@ from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager, call_factory, describe_component
+from rlx.run_files import check_run_folder_links, write_private
 from rlx.validate import Resolved
 from rlx.workers import RewardWorker
 
@@ -70,7 +71,9 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
 
 
 def _call_factory(factory: Any, options: Any, ctx: BuildContext, what: str, rank: int, world_size: int) -> Any:
-    return call_factory(factory, options, ctx, what)
+    """The component's factory, told its rank within the pool that builds it and the pool's size
+    (``ctx.rank``, ``ctx.world_size``): a pool of rollout engines seeds each engine from its rank."""
+    return call_factory(factory, options, dataclasses.replace(ctx, rank=rank, world_size=world_size), what)
 
 
 class Trainer:
@@ -92,6 +95,7 @@ class Trainer:
                                key="critic.model_path")
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
+        check_run_folder_links(self.run_dir)  # its own files are never links to elsewhere
         self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, cfg.trainer.resume)
         if self.resume_from is not None:  # another algorithm, reward, model, data... is a new run, not this one
             checkpoint.check_resumable(self.run_dir, self.resume_from, self.config_dict)
@@ -135,6 +139,7 @@ class Trainer:
         self.flops = self._flops_counter()
         self.loggers = {name: self._build("logger", name, f"loggers.{name}") for name in cfg.trainer.loggers}
         self.step = 0
+        self.steps_done = 0  # the last step trained and logged (self.step is the one under way)
         self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
 
     # -- set-up -------------------------------------------------------------------------------
@@ -208,13 +213,16 @@ class Trainer:
             self.launcher.transfer_weights(self.actor, self.rollout)
             if self.resume_from is None or not (self.run_dir / "config.yaml").is_file():
                 # A run's record is written once, by the run that made it; a resume leaves it as it is.
-                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config_dict, sort_keys=False))
+                write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
                 from rlx import provenance  # versions, plugins, data and model hashes: what `rlx replay` checks
 
                 provenance.write(self.run_dir, provenance.collect(self.config_dict, self.pm))
             self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
-            if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
-                self._log(self.validate(), self.step)
+            # trainer.test_freq -1 or 0 turns validation off, the one before training included.
+            if self.val_set is not None and cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 \
+                    and self.step == 0:
+                self._log({**self.validate(), "progress/total_steps": float(self.total_steps)}, self.step)
+            self.steps_done = self.step
             while self.step < self.total_steps:
                 self.step += 1
                 metrics = self.train_step(self._next_examples())
@@ -223,6 +231,7 @@ class Trainer:
                         self.step % t.test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())
                 self._log(metrics, self.step)
+                self.steps_done = self.step  # logged: what an interrupted run reports as its last step
                 self.pm.call_lifecycle("rlx_on_step_end", step=self.step, metrics=metrics)
                 if t.save_freq > 0 and self.step % t.save_freq == 0 and self.step < self.total_steps:
                     self.save()

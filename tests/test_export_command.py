@@ -50,6 +50,17 @@ def test_export_writes_the_checkpoints_weights(tmp_path: Path, backend: str) -> 
     if backend == "torch":
         assert same_weights(out, load_file(last / "actor" / "model.safetensors"))
         assert same_weights(older, load_file(first / "actor" / "model.safetensors"))
+        # A run trained on a GPU with flash-attn exports on a machine without either: the kernel is not
+        # part of the weights.
+        import yaml
+
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["backend"]["attn_implementation"] = "flash_attention_2"
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        flash = tmp_path / "hf-flash"
+        result = rlx("export", str(run), "--out", str(flash), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert same_weights(flash, load_file(last / "actor" / "model.safetensors"))
     else:
         from transformers import AutoModelForCausalLM
 

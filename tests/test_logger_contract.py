@@ -215,12 +215,12 @@ def test_jsonl_fresh_runs_never_overwrite_a_moved_aside_file(tmp_path):
     assert len(sorted((tmp_path / "out").glob("metrics.jsonl.prev-*"))) == 2
 
 
-def test_jsonl_file_is_utf8_text_with_dated_old_files_in_nested_folders(tmp_path):
+def test_jsonl_file_is_utf8_text_with_dated_old_files(tmp_path):
     import re
 
-    opts = jsonl_mod.JsonlOptions(filename="logs/run/m.jsonl", samples_filename="logs/run/s.jsonl")
+    opts = jsonl_mod.JsonlOptions(filename="m.jsonl", samples_filename="s.jsonl")  # plain names in the run folder
     jsonl_mod.build(opts, make_ctx(tmp_path)).log({"reward/ü": 1.0}, 1)
-    path = tmp_path / "out" / "logs" / "run" / "m.jsonl"
+    path = tmp_path / "out" / "m.jsonl"
     assert '"reward/ü": 1.0' in path.read_text(encoding="utf-8")  # readable, not \\u-escaped
     jsonl_mod.build(opts, make_ctx(tmp_path))
     (old,) = path.parent.glob("m.jsonl.prev-*")

@@ -34,10 +34,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
+from rlx.run_files import check_run_folder_links, open_append_nofollow, plain_name_problem, write_private
 
 _RESERVED = ("step", "time")
 
@@ -49,13 +50,30 @@ class JsonlOptions(BaseModel):
 
     filename: str = Field(
         "metrics.jsonl",
-        description="File the metrics are written to, relative to the run's output folder.",
+        description="Name of the file the metrics are written to, in the run's output folder (a plain name: "
+        "no folders, not a file rlx itself writes there).",
     )
     samples_filename: str = Field(
         "samples.jsonl",
-        description="File the sample rows (prompt, response, reward, ...) are written to, "
-        "relative to the run's output folder.",
+        description="Name of the file the sample rows (prompt, response, reward, ...) are written to, in the "
+        "run's output folder (a plain name, not the metrics file).",
     )
+
+    @field_validator("filename", "samples_filename")
+    @classmethod
+    def _plain_name(cls, v: str, info: ValidationInfo) -> str:
+        own = "metrics.jsonl" if info.field_name == "filename" else "samples.jsonl"
+        problem = plain_name_problem(v, own)
+        if problem is not None:
+            raise ValueError(f"{problem}; give a plain file name such as {own!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _two_files(self) -> JsonlOptions:
+        if self.filename == self.samples_filename:
+            raise ValueError(f"filename and samples_filename are both {self.filename!r}: metrics and samples need "
+                             "two files")
+        return self
 
 
 def _clean(value: Any) -> Any:
@@ -114,12 +132,7 @@ def _drop_after(path: Path, step: int) -> None:
             continue
         if isinstance(obj, dict) and isinstance(obj.get("step"), int) and obj["step"] <= step:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_private(path, "".join(kept))
 
 
 class JsonlLogger:
@@ -131,6 +144,7 @@ class JsonlLogger:
         self.samples_path = Path(samples_path)
         for p in (self.path, self.samples_path):
             p.parent.mkdir(parents=True, exist_ok=True)
+            check_run_folder_links(p.parent, [p.name])
             if resumed:
                 _drop_after(p, resumed_step)
             else:
@@ -140,7 +154,8 @@ class JsonlLogger:
     def _append(path: Path, lines: list[str]) -> None:
         # Opened per call: every line reaches the OS as soon as it is logged, and no handle is left
         # open when a run dies without calling finish().
-        with open(path, "a", encoding="utf-8") as f:
+        # A link in the file's place is refused, never written through.
+        with os.fdopen(open_append_nofollow(path), "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
             f.flush()
 

@@ -72,6 +72,16 @@ def default_store(output_dir: str | os.PathLike[str]) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of the store ``uri`` keeps its artifacts: beside the database for a SQLite store
+    (the default one in the run folder included), never MLflow's own default (``./mlruns`` in the current
+    folder, where nobody asked for it); None (the server's choice) for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///"))
+    return (database.resolve().parent / "mlartifacts").as_uri()
+
+
 class MlflowLogger:
     def __init__(self, client: Any, run_id: str, samples: bool) -> None:
         self.client = client
@@ -141,7 +151,7 @@ def build(options: MlflowOptions | None, ctx: BuildContext) -> MlflowLogger:
             experiment_id = found.experiment_id
         else:
             # A local store keeps its artifacts beside it, not in the current folder (MLflow's default).
-            where = (Path(run.output_dir).resolve() / "mlartifacts").as_uri() if local else None
+            where = artifact_location(uri)
             experiment_id = client.create_experiment(experiment_name, artifact_location=where)
         previous = read_run_id(id_file) if run.resumed else None
         if previous is not None:

@@ -23,11 +23,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
+from rlx.run_files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,20 @@ class SwanlabOptions(BaseModel):
         "run to disk for `swanlab sync`; local: the local dashboard (needs swanboard); disabled: nothing.",
     )
     logdir: str | None = Field(
-        None, description="Folder for SwanLab's run files. Default: <output_dir>/swanlab."
+        None, description="Folder for SwanLab's run files: a relative one lies in the run's output folder, an "
+        "absolute one (or ~/...) is used as given. Default: <output_dir>/swanlab."
     )
     workspace: str | None = Field(
         None, description="SwanLab workspace (organization) of the project. Default: your own account."
     )
+
+    @field_validator("logdir")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        problem = None if v is None else folder_option_problem(v, "swanlab")
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +162,7 @@ def build(options: SwanlabOptions | None, ctx: BuildContext) -> SwanlabLogger:
     options = options or SwanlabOptions()
     swanlab = require("swanlab", "swanlab", "The swanlab logger")
     run_info = ctx.run
-    logdir = Path(options.logdir) if options.logdir else Path(run_info.output_dir) / "swanlab"
+    logdir = logger_folder(options.logdir, run_info.output_dir, "swanlab")
     mode = resolve_mode(options.mode)
     if mode not in ("online", "offline", "local", "disabled"):
         raise UserError(f"Unknown SwanLab mode {mode!r} (from SWANLAB_MODE).",

@@ -17,12 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, sample_columns
+from rlx.run_files import folder_option_problem, logger_folder
 
 
 class TensorboardOptions(BaseModel):
@@ -30,9 +31,19 @@ class TensorboardOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    logdir: str | None = Field(None, description="Folder of the event files. Default: <output_dir>/tensorboard.")
+    logdir: str | None = Field(None, description="Folder of the event files: a relative one lies in the run's output "
+                               "folder, an absolute one (or ~/...) is used as given. "
+                               "Default: <output_dir>/tensorboard.")
     flush_secs: int = Field(10, ge=1, le=3600, description="Write buffered events to disk at least this often.")
     samples: bool = Field(True, description="Log the sample rows as a Markdown table (text entry `samples`).")
+
+    @field_validator("logdir")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        problem = None if v is None else folder_option_problem(v, "tensorboard")
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 def _markdown_cell(value: Any) -> str:
@@ -77,7 +88,7 @@ def build(options: TensorboardOptions | None, ctx: BuildContext) -> TensorboardL
     from torch.utils.tensorboard import SummaryWriter
 
     run = ctx.run
-    logdir = Path(os.path.expanduser(options.logdir)) if options.logdir else Path(run.output_dir) / "tensorboard"
+    logdir = logger_folder(options.logdir, run.output_dir, "tensorboard")
     try:
         logdir.mkdir(parents=True, exist_ok=True)
         # purge_step: TensorBoard hides the events the interrupted run wrote after the checkpoint, so a

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, read_run_id, sample_columns, save_run_id
+from rlx.run_files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,19 @@ class WandbOptions(BaseModel):
         "auto", description="auto: WANDB_MODE if set, else online when an API key is configured, else offline "
         "(a failed online start falls back to offline); online; offline: write the run to disk for "
         "`wandb sync`; disabled: nothing.")
-    logdir: str | None = Field(None, description="Folder for W&B's run files. Default: <output_dir>.")
+    logdir: str | None = Field(None, description="Folder for W&B's run files: a relative one lies in the run's "
+                               "output folder, an absolute one (or ~/...) is used as given. Default: <output_dir>.")
     group: str | None = Field(None, description="W&B group of the run.")
     tags: list[str] = Field(default_factory=list, description="W&B tags of the run.")
     samples: bool = Field(True, description="Log the sample rows as a W&B table named `samples`.")
+
+    @field_validator("logdir")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        problem = None if v is None else folder_option_problem(v, "wandb")
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 def _has_api_key() -> bool:
@@ -125,7 +135,7 @@ def build(options: WandbOptions | None, ctx: BuildContext) -> WandbLogger:
     mode = resolve_mode(options.mode)
     if mode not in ("online", "offline", "disabled"):
         raise UserError(f"Unknown W&B mode {mode!r} (from WANDB_MODE).", "Use one of: online, offline, disabled.")
-    logdir = Path(os.path.expanduser(options.logdir)) if options.logdir else Path(run_info.output_dir)
+    logdir = logger_folder(options.logdir, run_info.output_dir, None)
     if mode != "disabled":
         logdir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = dict(
