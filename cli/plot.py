@@ -243,7 +243,8 @@ def write_png(out: Path, panels: list[tuple[str, str]], series: list[dict[str, l
 def plot_command(
         runs: Annotated[list[str], typer.Argument(help="Run folders (or metrics.jsonl files) to overlay.")],
         out: Annotated[Path | None, typer.Option("--out", "-o", help="Write a PNG here (needs matplotlib: "
-                                                  "pip install 'rlx[plot]'); without it, text charts.")] = None,
+                                                  "pip install matplotlib, or rlx's plot extra); "
+                                                  "without it, text charts.")] = None,
         metrics: Annotated[list[str] | None, typer.Option(
             "--metrics", "-m", help="Metric names to plot instead of the usual ones (repeat or comma-separate), "
             "e.g. -m reward/mean,actor/grad_norm")] = None,
