@@ -93,6 +93,9 @@ def read_verl_source(source: str) -> dict[str, Any]:
                             "Give the path of a verl YAML config, or a verl command line in quotes.")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise UserError(f"--from-verl {text}: not a text file (it is not UTF-8); a verl YAML config is text.",
+                            "Give the path of a verl YAML config, or a verl command line in quotes.") from None
         except (OSError, yaml.YAMLError) as exc:
             raise UserError(f"--from-verl {text}: cannot read it as YAML: {exc}") from None
         if not isinstance(data, dict):
@@ -269,6 +272,9 @@ DIRECT: dict[str, str] = {
     "algorithm.kl_ctrl.horizon": "algorithm.kl_ctrl.horizon",
     "algorithm.filter_groups.enable": "algorithm.filter_groups",
     "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_num_gen_batches",
+    **{f"algorithm.rollout_correction.{k}": f"algorithm.rollout_correction.{k}"
+       for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                 "rollout_rs_threshold")},
     "trainer.project_name": "trainer.project",
     "trainer.experiment_name": "trainer.experiment",
     "trainer.test_freq": "trainer.test_freq",
@@ -435,7 +441,9 @@ def _warmup_ratio(value: Any, t: Translation, verl: dict[str, Any]) -> None:
     if not isinstance(steps, int):
         raise _Unmapped("a fraction of the total steps, which rlx knows only with trainer.total_training_steps; "
                         "give actor_rollout_ref.actor.optim.lr_warmup_steps instead")
-    t.set("actor.optim.warmup_steps", int(float(value) * steps), AA + "optim.lr_warmup_steps_ratio")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise _Unmapped(f"{value!r} is not a fraction between 0 and 1")
+    t.set("actor.optim.warmup_steps", int(value * steps), AA + "optim.lr_warmup_steps_ratio")
 
 
 def _schedule(value: Any, t: Translation, source: str) -> None:
@@ -457,6 +465,9 @@ def _micro_batch(value: Any, key: str, t: Translation, source: str, note: str) -
     if value is None:
         raise _Ignored("null")
     if key in t.settings and t.settings[key] != value:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (t.settings[key], value)):
+            raise _Unmapped(f"{value!r} and {t.settings[key]!r} ({t.sources[key]}): micro-batch sizes are "
+                            "whole numbers")
         kept = min(int(t.settings[key]), int(value))
         t.notes.append(f"{note}: verl gives {t.settings[key]} ({t.sources[key]}) and {value} ({source}); rlx has "
                        f"one size and uses the smaller, {kept} (micro-batches change memory, not results)")
@@ -570,6 +581,10 @@ SPECIAL: dict[str, Special] = {
                                                                         "(use rlx eval)"),
     "reward_model.reward_manager": lambda v, t, verl, pm: _only_if(v, "naive", "rlx scores each response on its "
                                                                              "own, as verl's naive manager"),
+    "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _only_if(
+        bool(v), False, "rlx has no bypass mode (pi_old = pi_rollout): it always recomputes the old log-probs"),
+    "algorithm.rollout_correction.loss_type": lambda v, t, verl, pm: _only_if(
+        v, "ppo_clip", "the loss type of verl's bypass mode, which rlx does not have"),
 }
 
 
@@ -597,6 +612,17 @@ def _reward(verl: dict[str, Any], t: Translation) -> None:
                    "reward does")
 
 
+def _count(verl: dict[str, Any], key: str) -> int:
+    """A whole number of nodes or GPUs (1 when unset); anything else is the user's error, named."""
+    value = verl.get(key, 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"--from-verl: {key}={value!r} is not a whole number of at least 1.",
+                        f"Give {key} as a whole number, e.g. {key}=1.")
+    return value
+
+
 def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
     """The rlx settings for a verl command line, YAML path, or dict of verl keys."""
     verl = read_verl_source(source) if isinstance(source, str) else dict(source)
@@ -605,9 +631,10 @@ def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
         t.set("algorithm.name", "ppo", "verl default")
         t.notes.append("no algorithm.adv_estimator: verl's default is gae, rlx's ppo algorithm")
     _reward(verl, t)
-    if int(verl.get("trainer.nnodes", 1) or 1) > 1:
+    nodes, per_node = _count(verl, "trainer.nnodes"), _count(verl, "trainer.n_gpus_per_node")
+    if nodes > 1:
         t.set("launcher.name", "ray", "trainer.nnodes")
-    gpus = int(verl.get("trainer.n_gpus_per_node", 1) or 1) * int(verl.get("trainer.nnodes", 1) or 1)
+    gpus = per_node * nodes
     if gpus > 1:
         t.set("launcher.nproc", gpus, "trainer.n_gpus_per_node x trainer.nnodes")
     device = verl.get("trainer.device")

@@ -127,3 +127,25 @@ def test_the_dev_extra_brings_every_package_the_tests_skip_without_but_the_engin
     owners = packages_distributions()
     missing = {m for m in wanted if not {canonicalize_name(d) for d in owners.get(m, [])} & brought}
     assert not missing, f"tests skip without {sorted(missing)}, which `pip install -e '.[dev]'` does not install"
+
+
+# -- from-verl: values of the wrong kind, files that are not text --------------------------------------
+VERL = "python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=/m data.train_files=/d.parquet"
+
+
+@pytest.mark.parametrize("value", ["abc", "[1,2]", "0", "1.5"])
+@pytest.mark.parametrize("key", ["trainer.nnodes", "trainer.n_gpus_per_node"])
+def test_from_verl_refuses_a_gpu_count_that_is_not_a_whole_number(rlx, key, value):
+    proc = rlx("config", "from-verl", f"{VERL} {key}={value}")
+    assert_user_error(proc, key, "whole number")
+
+
+def test_from_verl_names_a_warmup_ratio_that_is_not_a_fraction(rlx):
+    proc = rlx("config", "from-verl", f"{VERL} trainer.total_training_steps=100 "
+               "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=abc")
+    assert_user_error(proc, "lr_warmup_steps_ratio", "not a fraction between 0 and 1")
+
+
+def test_from_verl_refuses_a_binary_file_named_yaml(rlx, tmp_path):
+    (tmp_path / "run.yaml").write_bytes(bytes(range(256)) * 4)
+    assert_user_error(rlx("config", "from-verl", str(tmp_path / "run.yaml")), "run.yaml", "not a text file")
