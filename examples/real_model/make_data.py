@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--task", choices=TASKS, default="one_step")
     parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     parser.add_argument("--train-size", type=int, default=4000)
-    parser.add_argument("--test-size", type=int, default=500)
+    parser.add_argument("--test-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out).expanduser()
