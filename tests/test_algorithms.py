@@ -97,7 +97,7 @@ def test_preset_defaults(pm):
 
 def test_unknown_estimator_is_a_user_error_with_a_suggestion(pm):
     with pytest.raises(UserError, match=r"algorithm\.adv_estimator: no advantage estimator named 'rlo'\. "
-                                        r"Did you mean 'rloo'\? Valid estimators: gae, grpo"):
+                                        r"Did you mean 'rloo'\? Valid estimators: gae, gpg, grpo"):
         build(pm, "grpo", adv_estimator="rlo")
     # config validation reports it with every other problem, before anything is built
     from rlx.config import build_raw

@@ -9,7 +9,9 @@ One step of the algorithm, on a batch of B responses (R response tokens, right-p
              - beta * KL_t(pi_old || pi_ref)   if use_kl_in_reward        (token-level rewards)
     A, G     = estimator(EstimatorInputs(scores = sum_t r_it, token_level_rewards = r, ...))
     actor:  L = agg(w * PPO-clip(ratio, A)) + kl_loss_coef * agg(KL(pi || pi_ref)) - entropy_coeff * agg(H)
-            w = min(exp(old_log_prob - rollout_log_prob), tis_cap) (detached) when tis_cap is set, else 1
+            w = min(exp(old_log_prob - rollout_log_prob), tis_cap) (detached) when tis_cap is set, the
+                rollout_correction weights (token / sequence IS, rejection) when that is set, else 1;
+            PPO-clip is the default policy loss (policy_loss: gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo)
     critic: L = agg(0.5 * max((V - G)^2, (clip(V, V_old +- c) - G)^2))    (when the estimator needs values)
 
 The tensor math is :mod:`rlx.plugins.algorithms.functional`; this module imports torch only when
@@ -18,6 +20,7 @@ an algorithm is built or run, so listing plugins stays fast.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,7 +37,24 @@ if TYPE_CHECKING:
     from rlx.batch import Batch
     from rlx.registry import PluginManager
 
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs", "kl", "mse", "k1+", "k3+", "low_var_kl+"]
+PolicyLoss = Literal["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"]
+# Policy losses whose ratio or gate is per sequence (or whose paper aggregates per sequence): their default
+# loss_agg_mode is seq-mean-token-mean, as verl's; an explicit loss_agg_mode still wins.
+SEQUENCE_LEVEL_LOSSES = frozenset({"gspo", "sapo", "geo_mean"})
+# The options of each policy loss beyond the clip ranges: keyword arguments of its function in functional.py.
+POLICY_LOSS_KNOBS: dict[str, tuple[str, ...]] = {
+    "sapo": ("tau_pos", "tau_neg"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+}
+# verl estimators rlx does not provide, and why (config validation says so instead of "no such estimator").
+UNSUPPORTED_ESTIMATORS = {
+    name: (f"verl's {name} estimator needs, for every response token, the sum over the vocabulary of the "
+           "squared probabilities (sum_pi_squared) from the old-log-prob pass; no rlx backend computes it (they "
+           "return the sampled token's log-prob and the entropy only), so it cannot be computed here.")
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline")
+}
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -49,6 +69,86 @@ class KLControlOptions(BaseModel):
                          description="Adaptive: beta changes by at most 20% per `horizon` sequences.")
 
 
+ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                    "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # as functional.ROLLOUT_RS_MODES
+
+
+def parse_rejection(modes: str, thresholds: str | float | None) -> list[tuple[str, float | None, float]]:
+    """verl's ``rollout_rs`` (comma-separated modes) and ``rollout_rs_threshold`` (one bound shared by every mode, or
+    one per mode, comma-separated; a k1 mode takes ``LOWER_UPPER`` ratio bounds, or ``UPPER`` with lower = 1 / UPPER)
+    -> ``(mode, lower, upper)`` triples. ValueError on anything else."""
+    names = list(dict.fromkeys(m.strip() for m in modes.split(",") if m.strip()))
+    if not names:
+        raise ValueError("rollout_rs names no mode")
+    for name in names:
+        if name not in ROLLOUT_RS_MODES:
+            raise ValueError(f"rollout_rs mode {name!r} is not one of {', '.join(ROLLOUT_RS_MODES)}"
+                             f"{did_you_mean(name, ROLLOUT_RS_MODES)}")
+    if thresholds is None:
+        raise ValueError("rollout_rs needs rollout_rs_threshold (e.g. 0.5_2.0 for a k1 mode, 0.01 for k2 / k3)")
+    specs = [thresholds] if isinstance(thresholds, int | float) else [p.strip() for p in str(thresholds).split(",")]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"rollout_rs_threshold gives {len(specs)} bounds for {len(names)} rollout_rs modes: give one "
+                         "for all, or one per mode")
+    out: list[tuple[str, float | None, float]] = []
+    for name, spec in zip(names, specs, strict=True):
+        text = str(spec)
+        try:
+            if name.endswith("k1"):
+                low_text, _, high_text = text.partition("_") if "_" in text else ("", "", text)
+                upper = float(high_text)
+                lower = float(low_text) if low_text else (1.0 / upper if upper > 0 else -1.0)
+            else:
+                if "_" in text:
+                    raise ValueError(f"rollout_rs mode {name} takes one upper bound, not a band ({text!r})")
+                lower, upper = None, float(text)
+        except ValueError as err:
+            if "takes one upper bound" in str(err):
+                raise
+            raise ValueError(f"rollout_rs_threshold {text!r} for {name} is not a number (or LOWER_UPPER)") from None
+        if not (upper > 0 and (lower is None or lower > 0)) or not all(map(math.isfinite, [upper, lower or 1.0])):
+            raise ValueError(f"rollout_rs_threshold {text!r} for {name}: bounds must be positive and finite")
+        if lower is not None and lower > upper:
+            raise ValueError(f"rollout_rs_threshold {text!r} for {name}: the lower bound is above the upper one")
+        out.append((name, lower, upper))
+    return out
+
+
+class RolloutCorrectionOptions(BaseModel):
+    """verl's ``algorithm.rollout_correction``: weights and rejection for a rollout engine whose probabilities differ
+    from the trainer's (computed on the whole batch from old and rollout log-probs)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="Importance weights pi_old / pi_rollout per token, or their product per sequence "
+        "(truncated at rollout_is_threshold); null: none.")
+    rollout_is_threshold: float = Field(2.0, gt=0, le=1e6, description="Upper truncation of the weights.")
+    rollout_is_batch_normalize: bool = Field(False, description="Divide the weights by their batch mean.")
+    rollout_rs: str | None = Field(
+        None, description=f"Rejection: comma-separated modes of {', '.join(ROLLOUT_RS_MODES)}; a token or sequence "
+        "whose statistic leaves its bounds gets weight 0.")
+    rollout_rs_threshold: str | float | None = Field(
+        None, description="Bounds of rollout_rs: one for all modes or one per mode; k1 modes LOWER_UPPER ratios "
+        "(e.g. 0.5_2.0), k2 / k3 an upper bound.")
+    bypass_mode: Literal[False] = Field(False, description="verl's bypass mode (pi_old = pi_rollout) is not "
+                                        "provided: false only.")
+
+    @model_validator(mode="after")
+    def _check_rejection(self) -> RolloutCorrectionOptions:
+        if self.rollout_rs is not None:
+            parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def rejection(self) -> list[tuple[str, float | None, float]] | None:
+        return None if self.rollout_rs is None else parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+
+
 class AlgorithmOptions(BaseModel):
     """Options common to every built-in algorithm; each algorithm module changes some defaults.
 
@@ -59,7 +159,8 @@ class AlgorithmOptions(BaseModel):
     # -- advantages
     adv_estimator: str = Field(
         "grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
-        "remax, gae, or one a plugin registers (rlx plugins list shows kind 'advantage').")
+        "remax, gae, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, or one a plugin registers (rlx plugins "
+        "list shows kind 'advantage').")
     norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std (false: Dr. GRPO); remax: "
                                   "divide by the batch's root mean square (false: verl's unscaled r - r_greedy).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
@@ -67,8 +168,22 @@ class AlgorithmOptions(BaseModel):
     estimator_options: dict[str, Any] = Field(
         default_factory=dict, description="Free-form options handed to a plugin estimator (EstimatorInputs.options).")
     # -- policy loss
-    policy_loss: Literal["vanilla", "gspo"] = Field(
-        "vanilla", description="vanilla: PPO clip on the token ratio; gspo: on the sequence-level ratio.")
+    policy_loss: PolicyLoss = Field(
+        "vanilla", description="vanilla: PPO clip on the token ratio; gspo: on the sequence-level ratio; sapo: a "
+        "smooth gate (tau_pos, tau_neg); gpg: -A logp; clip_cov / kl_cov: detach / KL-penalise high-covariance tokens; "
+        "geo_mean: GMPO's geometric-mean ratio; cispo: clipped, detached importance weight times -A logp.")
+    tau_pos: float = Field(1.0, gt=0, le=1000, description="sapo: gate temperature of positive-advantage tokens "
+                           "(verl: actor.tau_pos).")
+    tau_neg: float = Field(1.05, gt=0, le=1000, description="sapo: gate temperature of other tokens (verl: "
+                           "actor.tau_neg).")
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov: the most tokens detached, as a "
+                                  "fraction of a micro-batch's tokens.")
+    clip_cov_lb: float = Field(1.0, ge=-1e6, le=1e6, description="clip_cov: only tokens whose covariance is above "
+                               "this are detached.")
+    clip_cov_ub: float = Field(5.0, ge=-1e6, le=1e6, description="clip_cov: ... and below this.")
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov: the fraction of a micro-batch's tokens, "
+                                "those of largest covariance, given the KL penalty.")
+    ppo_kl_coef: float = Field(0.1, ge=0, le=100, description="kl_cov: weight of |logp - logp_old| on those tokens.")
     clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO clip range for the probability ratio.")
     clip_ratio_low: float | None = Field(None, gt=0, le=10, description="Lower clip range (default clip_ratio).")
     clip_ratio_high: float | None = Field(
@@ -84,6 +199,9 @@ class AlgorithmOptions(BaseModel):
         None, gt=0, le=1e6, description="Truncated importance sampling (verl: tis_imp_ratio_cap): each token's policy "
         "loss is multiplied by min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for a rollout engine "
         "whose probabilities differ from the trainer's (2 is usual; null: off).")
+    rollout_correction: RolloutCorrectionOptions = Field(
+        default_factory=RolloutCorrectionOptions, description="verl's rollout correction: sequence or token "
+        "importance weights and rejection of tokens / sequences (docs/algorithms.md).")
     # -- KL to the reference policy
     use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
     kl_loss_coef: float = Field(0.001, ge=0, le=100, description="Weight of the KL loss.")
@@ -104,11 +222,29 @@ class AlgorithmOptions(BaseModel):
 
     @model_validator(mode="after")
     def _gspo_aggregates_per_sequence(self) -> AlgorithmOptions:
-        # GSPO's ratio is per sequence, so verl always aggregates its loss per sequence; here an
-        # explicit loss_agg_mode still wins, but the default follows the policy loss.
-        if self.policy_loss == "gspo" and "loss_agg_mode" not in self.model_fields_set:
+        # GSPO's and SAPO's ratios are per token but verl always aggregates their loss per sequence, and
+        # GMPO's loss is per sequence; here an explicit loss_agg_mode still wins, but the default follows the loss.
+        if self.policy_loss in SEQUENCE_LEVEL_LOSSES and "loss_agg_mode" not in self.model_fields_set:
             self.loss_agg_mode = "seq-mean-token-mean"
         return self
+
+    @model_validator(mode="after")
+    def _one_rollout_correction(self) -> AlgorithmOptions:
+        if self.tis_cap is not None and self.rollout_correction.active:
+            raise ValueError("tis_cap and rollout_correction both correct for the rollout engine: use one "
+                             "(tis_cap=C is rollout_correction.rollout_is=token with rollout_is_threshold=C)")
+        return self
+
+    @model_validator(mode="after")
+    def _cov_band(self) -> AlgorithmOptions:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
+                             "clip_cov detaches tokens whose covariance lies between them (verl: 1 and 5).")
+        return self
+
+    def policy_loss_knobs(self) -> dict[str, Any]:
+        """The options of ``policy_loss`` beyond the clip ranges, as keyword arguments of its function."""
+        return {name: getattr(self, name) for name in POLICY_LOSS_KNOBS.get(self.policy_loss, ())}
 
     def plugin_problems(self, pm: PluginManager) -> list[str]:
         """Config problems with the components these options name (called by config validation)."""
@@ -121,6 +257,8 @@ def unknown_estimator(pm: PluginManager, name: str) -> str | None:
     names = pm.names("advantage")
     if name in names:
         return None
+    if name in UNSUPPORTED_ESTIMATORS:
+        return f"{UNSUPPORTED_ESTIMATORS[name]} Use another estimator: {', '.join(names)}."
     return (f"no advantage estimator named {name!r}.{did_you_mean(name, names)} Valid estimators: "
             f"{', '.join(names)} (plugins add more: `rlx plugins list` shows kind 'advantage').")
 
@@ -172,9 +310,11 @@ class ActorLoss:
         weights = None
         if o.tis_cap is not None:
             weights, tis = F.tis_weights(old_log_probs, mb["rollout_log_probs"], mask, o.tis_cap)
+        elif "rollout_is_weights" in mb:  # rollout_correction, computed on the whole batch
+            weights = mb["rollout_is_weights"].to(log_probs.dtype)
         pg_loss, metrics = F.POLICY_LOSSES[o.policy_loss](
             log_probs, old_log_probs, mb["advantages"], mask, agg_mode=o.loss_agg_mode, token_weights=weights,
-            **clip, **norm)
+            **clip, **norm, **o.policy_loss_knobs())
         out = {f"actor/{k}": float(v) for k, v in {**metrics, **tis}.items()}
         if from_update and "rollout_log_probs" in mb:
             # What PolicyGradient.metrics logs from the old-log-prob pass otherwise; the update averages metrics
@@ -255,7 +395,8 @@ class PolicyGradient:
         self.needs_greedy_baseline = "baseline_scores" in needs
         self.needs_ref = opts.use_kl_loss or opts.use_kl_in_reward
         # The loss is the only reader of old log-probs unless the reward penalty needs them before the advantages.
-        self.old_log_probs_from_update = not opts.use_kl_in_reward
+        # Rollout correction's weights come from the old log-probs of the whole batch, before the update.
+        self.old_log_probs_from_update = not (opts.use_kl_in_reward or opts.rollout_correction.active)
         self.group_relative = opts.adv_estimator in GROUP_RELATIVE
         self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
@@ -314,6 +455,12 @@ class PolicyGradient:
             raise UserError("algorithm.tis_cap corrects the actor loss with the rollout engine's log-probs, but this "
                             "rollout engine returns none (no rollout_log_probs in its batch).",
                             "Use an engine that returns them (hf, vllm, sglang) or set algorithm.tis_cap=null.")
+        rc = self.opts.rollout_correction
+        if rc.active and "rollout_log_probs" not in batch:
+            raise UserError("algorithm.rollout_correction weights the actor loss with the rollout engine's "
+                            "log-probs, but this rollout engine returns none (no rollout_log_probs in its batch).",
+                            "Use an engine that returns them (hf, vllm, sglang) or leave algorithm.rollout_correction "
+                            "out.")
         mask = batch["response_mask"].float()  # (B, R)
         scores = self.shaped_scores(batch)  # (B,)
         token_scores = F.scores_to_token_rewards(scores, mask)  # (B, R)
@@ -345,6 +492,13 @@ class PolicyGradient:
         batch.update(shaped_scores=scores, token_level_scores=token_scores, token_level_rewards=rewards,
                      advantages=torch.where(valid, advantages.float(), zero),
                      returns=torch.where(valid, returns.float(), zero))
+        if rc.active:
+            weights, rc_metrics = F.rollout_correction_weights(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, rollout_is=rc.rollout_is,
+                threshold=rc.rollout_is_threshold, batch_normalize=rc.rollout_is_batch_normalize,
+                rejection=rc.rejection())
+            batch.update(rollout_is_weights=weights.float())
+            stats.update({f"rollout_corr/{k}": v for k, v in rc_metrics.items()})
         batch.meta["algorithm_stats"] = stats
         return batch
 

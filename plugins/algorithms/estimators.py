@@ -99,9 +99,37 @@ def gae(inputs: EstimatorInputs) -> Pair:
                             gamma=inputs.gamma, lam=inputs.lam)
 
 
+@advantage_estimator()
+def opo(inputs: EstimatorInputs) -> Pair:
+    """A_i = s_i - sum_g(L_j s_j) / sum_g(L_j): the length-weighted group mean as baseline (OPO)."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.opo_advantages(inputs.scores, inputs.group_index, inputs.response_mask)
+
+
+@advantage_estimator()
+def gpg(inputs: EstimatorInputs) -> Pair:
+    """A_i = alpha (s_i - mean_g), alpha = B / (responses with a non-zero score) (GPG, as verl)."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.gpg_advantages(inputs.scores, inputs.group_index, inputs.response_mask)
+
+
+@advantage_estimator()
+def grpo_passk(inputs: EstimatorInputs) -> Pair:
+    """Only each group's best response gets an advantage: s_max - s_second (over std_g + eps if
+    norm_adv_by_std)."""
+    from rlx.plugins.algorithms import functional as F
+
+    return F.grpo_passk_advantages(inputs.scores, inputs.group_index, inputs.response_mask,
+                                   norm_by_std=inputs.norm_adv_by_std)
+
+
 # The estimators whose baseline is formed from the other responses to the same prompt: with one
-# response per prompt (rollout.n=1) every advantage they give is exactly 0.
-GROUP_RELATIVE = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+# response per prompt (rollout.n=1) every advantage they give is exactly 0. (opo and gpg fall back to
+# no baseline for a group of one, as in verl, so they still learn then.)
+GROUP_RELATIVE = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized",
+                            "grpo_passk"})
 
 BUILTIN = {
     "grpo": (grpo, "Group-normalised outcome advantages (Dr. GRPO with norm_adv_by_std=false)."),
@@ -111,6 +139,12 @@ BUILTIN = {
                                      "Group-mean baseline, then whitened over the batch."),
     "remax": (remax, "Baseline: the score of a greedy response to the same prompt."),
     "gae": (gae, "Generalised advantage estimation with a critic (gamma, lam)."),
+    # verl's vectorised implementations compute the same advantages as its loops: here they are the same function.
+    "grpo_vectorized": (grpo, "verl's name for the vectorised grpo: the same advantages as grpo."),
+    "rloo_vectorized": (rloo, "verl's name for the vectorised rloo: the same advantages as rloo."),
+    "opo": (opo, "OPO: baseline = the group's length-weighted mean reward."),
+    "gpg": (gpg, "GPG: group-mean baseline scaled by batch size / responses with a non-zero reward."),
+    "grpo_passk": (grpo_passk, "Pass@k: only the best response of a group, by its margin over the runner-up."),
 }
 
 

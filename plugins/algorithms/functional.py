@@ -39,25 +39,35 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_in_reward",
+    "cispo_policy_loss",
+    "clip_cov_policy_loss",
     "count_equal_score_groups",
     "entropy_from_logits",
     "explained_variance",
     "gae_advantages",
+    "geo_mean_policy_loss",
+    "gpg_advantages",
+    "gpg_policy_loss",
     "group_all_equal",
     "grpo_advantages",
+    "grpo_passk_advantages",
     "gspo_policy_loss",
+    "kl_cov_policy_loss",
     "kl_penalty",
     "log_probs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "opo_advantages",
     "overlong_penalty",
     "ppo_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_correction_weights",
+    "sapo_policy_loss",
     "scores_to_token_rewards",
     "value_loss",
 ]
@@ -72,9 +82,16 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 )
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+# verl's other names for two of them.
+KL_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2"}
+# Straight-through forms (verl's ``NAME+``): the value of NAME's estimate, the gradient of k2's.
+KL_STRAIGHT_THROUGH: tuple[str, ...] = ("k1+", "k3+", "low_var_kl+")
+KL_NAMES: tuple[str, ...] = KL_ESTIMATORS + tuple(KL_ALIASES) + KL_STRAIGHT_THROUGH
 
 # Log-ratios are clamped to this range before ``exp``: exp(20) ~ 4.9e8 stays finite in float32.
 _LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence log-ratio is clamped above only, at verl's 10.
+_GSPO_LOG_RATIO_MAX = 10.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,6 +263,9 @@ def kl_penalty(
       * ``"abs"``:                |d|
       * ``"k2"``:                 0.5 * d^2
       * ``"k3"`` / ``"low_var_kl"``: exp(-d) - (-d) - 1, clamped to [-10, 10]
+      * ``"kl"`` = k1, ``"mse"`` = k2 (verl's names)
+      * ``"k1+"``, ``"k3+"``, ``"low_var_kl+"``: straight-through, the value of k1 / k3 with the
+        gradient of k2 (d per token)
 
     With ``response_mask`` both inputs are zeroed at padding first, so the result (and its
     gradient) is exactly 0 there whatever the padding holds; without it the result is not masked.
@@ -254,6 +274,12 @@ def kl_penalty(
     """
     if response_mask is not None:
         log_probs, ref_log_probs = _masked(log_probs, response_mask), _masked(ref_log_probs, response_mask)
+    estimator = KL_ALIASES.get(estimator, estimator)
+    if estimator in KL_STRAIGHT_THROUGH:
+        # value: the named estimate; gradient: k2's, d (the gradient whose expectation is KL's own gradient).
+        value = kl_penalty(log_probs, ref_log_probs, estimator[:-1])
+        k2 = 0.5 * (log_probs - ref_log_probs).square()
+        return k2 - k2.detach() + value.detach()
     diff = log_probs - ref_log_probs  # (B, T)
     if estimator == "k1":
         return diff
@@ -265,21 +291,21 @@ def kl_penalty(
         log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # logp_ref - logp
         kl = torch.exp(log_ratio) - log_ratio - 1.0
         return kl.clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_ESTIMATORS)}")
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_NAMES)}")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, computed in float32.
+    """Entropy of softmax(logits) over the last dim, computed in float32 (float64 for float64 logits).
 
     H = logsumexp(z) - sum(softmax(z) * z).  Shape (…, V) -> (…).
     """
-    z = logits.float()
+    z = logits if logits.dtype == torch.float64 else logits.float()
     probs = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] per position, computed stably in float32.
+    """log softmax(logits)[label] per position, computed stably in float32 (float64 for float64 logits).
 
     logp_t = z_t[label_t] - logsumexp(z_t).  ``logits`` (B, T, V), ``labels`` (B, T) int64 -> (B, T).
     Positions with a negative label (e.g. an ignore index of -100) get 0. Half-precision logits are
@@ -291,7 +317,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     safe_labels = labels.clamp(min=0).unsqueeze(-1)  # (B, T, 1)
 
     def _rows(z: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
-        z = z.float()
+        z = z if z.dtype == torch.float64 else z.float()
         return z.gather(-1, lab).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
     if logits.dtype in (torch.float32, torch.float64) or logits.dim() < 2:
@@ -494,6 +520,98 @@ def gae_advantages(
 
 
 
+def opo_advantages(
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (on-policy RL with the optimal reward baseline, Hao et al. 2025): a length-weighted group baseline.
+
+    b_g = sum_{j in g} L_j s_j / sum_{j in g} L_j with L_j the number of valid tokens of response j;
+    A_i = s_i - b_g. As in verl a singleton group has baseline 0 (A_i = s_i); a group whose scores are
+    all equal (two or more responses) gets exactly 0. Statistics in float64. ``(advantages, returns)``,
+    (B, T) each and equal.
+    """
+    s = _float_scores(scores)  # (B,)
+    n, _, _, equal = _group_stats(s, index)
+    lengths = _bool_mask(response_mask, response_mask).to(torch.float64).sum(-1)  # (B,)
+    index = torch.as_tensor(index, device=s.device)
+    _, inverse = torch.unique(index, return_inverse=True)
+    s64 = s.to(torch.float64)
+    zeros = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.float64, device=s.device)
+    weighted = zeros.index_add(0, inverse, lengths * s64)[inverse]  # (B,)
+    total = zeros.index_add(0, inverse, lengths)[inverse]  # (B,)
+    baseline = torch.where((n > 1) & (total > 0), weighted / total.clamp(min=1.0), torch.zeros_like(s64))
+    adv = torch.where(equal & (n > 1), torch.zeros_like(s64), s64 - baseline).to(s.dtype)
+    tok = _broadcast_to_tokens(adv, response_mask)
+    return tok, tok.clone()
+
+
+def gpg_advantages(
+    scores: torch.Tensor, index: torch.Tensor, response_mask: torch.Tensor, *, f_norm: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (group policy gradient, Chu et al. 2025) outcome advantages, as verl computes them.
+
+    alpha = B / max(M, 1) with B the batch's responses and M how many of them have a non-zero score;
+    A_i = alpha * (s_i - mean_g) / f_norm. A singleton group has mean 0 (A_i = alpha * s_i, as verl); a
+    group whose scores are all equal (two or more responses) gets exactly 0. Statistics in float64.
+    ``(advantages, returns)``, (B, T) each and equal.
+    """
+    if not f_norm > 0:
+        raise ValueError(f"f_norm must be positive, got {f_norm}")
+    s = _float_scores(scores)
+    n, mean, _, equal = _group_stats(s, index)
+    s64 = s.to(torch.float64)
+    nonzero = float((s64 != 0).sum())
+    alpha = s64.numel() / max(nonzero, 1.0)
+    centred = s64 - torch.where(n > 1, mean, torch.zeros_like(mean))
+    adv = torch.where(equal & (n > 1), torch.zeros_like(s64), alpha * centred / f_norm).to(s.dtype)
+    tok = _broadcast_to_tokens(adv, response_mask)
+    return tok, tok.clone()
+
+
+def grpo_passk_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, arXiv 2503.19595) in verl's GRPO form.
+
+    In each group only the best response gets an advantage, s_max - s_second (the gap to the runner-up;
+    0 when the top two tie), divided by (std_g + eps) with ``norm_by_std`` (unbiased std, as GRPO);
+    every other response gets 0. With ties for the best the first in batch order is the best. verl
+    raises on a group of one; here it gets 0. ``(advantages, returns)``, (B, T) each and equal.
+    """
+    s = _float_scores(scores)
+    n, _, sq_dev, _ = _group_stats(s, index)
+    s64 = s.to(torch.float64)
+    index = torch.as_tensor(index, device=s.device)
+    _, inverse = torch.unique(index, return_inverse=True)
+    G = int(inverse.max()) + 1 if inverse.numel() else 0
+    B = s64.numel()
+    rows = torch.arange(B, device=s.device)
+    # the best row of each group: highest score, the first such row on ties
+    order = torch.argsort(s64, descending=True, stable=True)  # rows by score, earlier rows first on ties
+    first = torch.full((G,), B, dtype=torch.long, device=s.device)
+    rank = torch.empty(B, dtype=torch.long, device=s.device)
+    rank[order] = rows
+    best_rank = first.scatter_reduce(0, inverse, rank, reduce="amin")  # (G,)
+    is_best = rank == best_rank[inverse]  # (B,)
+    best_score = torch.full((G,), -math.inf, dtype=torch.float64, device=s.device).scatter_reduce(
+        0, inverse, s64, reduce="amax")
+    others = torch.where(is_best, torch.full_like(s64, -math.inf), s64)
+    second = torch.full((G,), -math.inf, dtype=torch.float64, device=s.device).scatter_reduce(
+        0, inverse, others, reduce="amax")
+    gap = best_score[inverse] - second[inverse]  # (B,); inf for singletons
+    if norm_by_std:
+        std = torch.sqrt(sq_dev / (n - 1.0).clamp(min=1.0))
+        gap = gap / (std + eps)
+    adv = torch.where(is_best & (n > 1), gap, torch.zeros_like(s64)).to(s.dtype)
+    tok = _broadcast_to_tokens(adv, response_mask)
+    return tok, tok.clone()
+
+
 # --------------------------------------------------------------------------------------------------
 # Policy / value losses
 # --------------------------------------------------------------------------------------------------
@@ -578,7 +696,8 @@ def ppo_policy_loss(
         loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
     )
     with torch.no_grad():
-        metrics["ppo_kl"] = masked_mean(old_log_probs - log_probs, response_mask).item()
+        # verl's: the mean of the clamped log-ratio, so one runaway token cannot dominate the metric
+        metrics["ppo_kl"] = masked_mean(-log_ratio, response_mask).item()
     return loss, metrics
 
 
@@ -600,7 +719,8 @@ def gspo_policy_loss(
     """GSPO: PPO clipping on a sequence-level, length-normalised importance ratio.
 
     s_i = exp(mean_{t valid} (logp_it - old_it))                     # (B,)
-    r_it = sg(s_i) * exp(logp_it - sg(logp_it))   (value s_i; grad s_i * d logp_it)
+    r_it = exp(min(sg(log s_i) + logp_it - sg(logp_it), 10))   (value s_i; grad s_i * d logp_it;
+           above e^10 the value is e^10 and the gradient 0, as verl)
     l_it = max(-A_it * r_it, -A_it * clip(r_it, 1 - clip_low, 1 + clip_high))
     loss = agg_loss(l, mask, agg_mode, ...)  (default ``seq-mean-token-mean``, so
     d loss = -(1/N_seqs) sum_i A_i s_i mean_t d logp_it on unclipped sequences).
@@ -616,8 +736,10 @@ def gspo_policy_loss(
         _masked(x, response_mask) for x in (log_probs, old_log_probs, advantages)
     )
     seq_log_ratio = masked_mean(log_probs - old_log_probs, response_mask, dim=-1)  # (B,)
-    seq_log_ratio = seq_log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    log_ratio = seq_log_ratio.unsqueeze(-1) + (log_probs - log_probs.detach())  # (B, T)
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (log_probs - log_probs.detach())  # (B, T)
+    # As verl: clamped above only, at 10, value and gradient (a sequence whose ratio exceeds e^10 gets no
+    # gradient); below, exp underflows harmlessly to 0.
+    log_ratio = log_ratio.clamp(max=_GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_ratio)
     loss_mat, metrics = _clipped_surrogate(ratio, advantages, response_mask, clip_low, clip_high, None)
     if token_weights is not None:
@@ -628,6 +750,283 @@ def gspo_policy_loss(
     with torch.no_grad():
         metrics["ppo_kl"] = masked_mean(old_log_probs - log_probs, response_mask).item()
     return loss, metrics
+
+
+def _token_log_ratio(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs with padding zeroed, and log(pi / pi_old) per token clamped to +-20."""
+    log_probs, old_log_probs, advantages = (
+        _masked(x, response_mask) for x in (log_probs, old_log_probs, advantages)
+    )
+    log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return log_probs, old_log_probs, advantages, log_ratio
+
+
+def _aggregate(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    agg_mode: str,
+    token_weights: torch.Tensor | None,
+    num_tokens: Number | torch.Tensor | None,
+    num_seqs: Number | torch.Tensor | None,
+    max_len: int | None,
+) -> torch.Tensor:
+    if token_weights is not None:
+        loss_mat = loss_mat * _masked(token_weights, response_mask)
+    return agg_loss(loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+
+
+@torch.no_grad()
+def _ppo_kl(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> float:
+    return masked_mean(-log_ratio, response_mask).item()
+
+
+def sapo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (soft adaptive policy optimisation, arXiv 2511.20347): a smooth gate instead of a hard clip.
+
+    r_t = exp(clamp(logp_t - old_t, -20, 20)); tau_t = tau_pos where A_t > 0, else tau_neg;
+    f(r) = sigmoid(tau (r - 1)) * 4 / tau;  l_t = -f(r_t) A_t. At r = 1, f = 2 / tau and df/dr = 1 (the
+    on-policy gradient is PPO's); far from 1 the gradient fades instead of stopping. No clip ranges
+    (``clip_*`` are accepted for a common signature and ignored). Metrics: ``ppo_kl``.
+    """
+    del clip_low, clip_high, clip_ratio_c
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be positive, got {tau_pos}, {tau_neg}")
+    _, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = _aggregate(-gate * advantages, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
+    return loss, {"ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+def gpg_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG's plain policy gradient (no ratio, no clip): l_t = -A_t logp_t. Metrics: ``ppo_kl``."""
+    del clip_low, clip_high, clip_ratio_c
+    log_probs, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    loss = _aggregate(-advantages * log_probs, response_mask, agg_mode, token_weights, num_tokens, num_seqs,
+                      max_len)
+    return loss, {"ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+@torch.no_grad()
+def _token_covariance(log_probs: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(A_t - mean A) (logp_t - mean logp) per token, means over the valid tokens of the call; -inf at padding."""
+    a = advantages.detach()
+    lp = log_probs.detach()
+    cov = (a - masked_mean(a, valid)) * (lp - masked_mean(lp, valid))
+    return torch.where(valid, cov, torch.full_like(cov, -math.inf))
+
+
+def clip_cov_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"), as verl computes it.
+
+    The PPO clipped loss l_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (no dual clip), except
+    that up to k = max(1, floor(clip_cov_ratio * N)) tokens (N: this call's valid tokens) get no loss and
+    no gradient: chosen at random (``generator``) among the tokens not already clipped by PPO whose
+    covariance cov_t = (A_t - mean A)(logp_t - mean logp) lies strictly between clip_cov_lb and
+    clip_cov_ub. High-covariance tokens drive the collapse of entropy; detaching a few keeps it up.
+    Metrics: ``pg_clipfrac`` (PPO-clipped share), ``pg_covfrac`` (share detached), ``ppo_kl``.
+    """
+    del clip_ratio_c
+    if not 0 < clip_cov_ratio <= 1:
+        raise ValueError(f"clip_cov_ratio must be in (0, 1], got {clip_cov_ratio}")
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_lb must be below clip_cov_ub, got {clip_cov_lb}, {clip_cov_ub}")
+    log_probs, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    valid = _bool_mask(log_probs, response_mask)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    with torch.no_grad():
+        ppo_clipped = (loss_clipped > loss_unclipped) & valid
+        cov = _token_covariance(log_probs, advantages, valid)
+        candidates = valid & ~ppo_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        flat = torch.nonzero(candidates.reshape(-1), as_tuple=True)[0]
+        k = max(int(clip_cov_ratio * int(valid.sum())), 1)
+        if flat.numel() > k:
+            flat = flat[torch.randperm(flat.numel(), generator=generator, device=flat.device)[:k]]
+        keep = torch.ones(valid.numel(), dtype=torch.bool, device=valid.device)
+        keep[flat] = False
+        keep = keep.reshape(valid.shape)
+    loss_mat = torch.where(keep, torch.maximum(loss_unclipped, loss_clipped), _zero_like_scalar(ratio))
+    loss = _aggregate(loss_mat, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
+    metrics = {"pg_clipfrac": masked_mean(ppo_clipped.to(ratio.dtype), valid).item(),
+               "pg_covfrac": masked_mean((~keep).to(ratio.dtype), valid).item(),
+               "ppo_kl": _ppo_kl(log_ratio, response_mask)}
+    return loss, metrics
+
+
+def kl_cov_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 0.1,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025), as verl computes it: the unclipped surrogate l_t = -A_t r_t, plus
+    ppo_kl_coef * |logp_t - old_t| on the k = max(1, floor(kl_cov_ratio * N)) valid tokens of this call
+    with the largest covariance (A_t - mean A)(logp_t - mean logp). No clip ranges (``clip_*`` are
+    ignored). Metrics: ``pg_covfrac`` (share penalised), ``ppo_kl``.
+    """
+    del clip_low, clip_high, clip_ratio_c
+    if not 0 < kl_cov_ratio <= 1:
+        raise ValueError(f"kl_cov_ratio must be in (0, 1], got {kl_cov_ratio}")
+    if not ppo_kl_coef >= 0:
+        raise ValueError(f"ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
+    log_probs, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    valid = _bool_mask(log_probs, response_mask)
+    loss_mat = -advantages * torch.exp(log_ratio)
+    n_valid = int(valid.sum())
+    with torch.no_grad():
+        penalised = torch.zeros_like(valid)
+        if n_valid:
+            cov = _token_covariance(log_probs, advantages, valid).reshape(-1)
+            k = max(1, int(n_valid * kl_cov_ratio))
+            top = torch.topk(cov, k, largest=True).indices
+            penalised.view(-1)[top] = True
+    loss_mat = loss_mat + torch.where(penalised, ppo_kl_coef * log_ratio.abs(), _zero_like_scalar(loss_mat))
+    loss = _aggregate(loss_mat, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
+    return loss, {"pg_covfrac": masked_mean(penalised.to(loss_mat.dtype), valid).item(),
+                  "ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+def geo_mean_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (geometric-mean policy optimisation, arXiv 2507.20673): the geometric mean of the token
+    ratios of a response, each clipped in log space, times the response's mean advantage.
+
+    d_t = clamp(logp_t - old_t, -20, 20); clipped per token on the side that matters for the sign of A_t:
+    c_t = min(d_t, clip_high) if A_t > 0, max(d_t, -clip_low) if A_t < 0, 0 if A_t = 0 (the clip ranges
+    are bounds on the *log*-ratio; GMPO's paper uses wider ones than PPO, e.g. 0.4);
+    rho_i = exp(mean_t c_t), A_i = mean_t A_t, l_i = -A_i rho_i on every token of response i, aggregated
+    with ``agg_mode`` (default seq-mean-token-mean: the mean of l_i over responses, as verl).
+    ``token_weights`` enter as their geometric mean per response. Metrics: ``pg_clipfrac_high`` (A > 0 and
+    d > clip_high), ``pg_clipfrac_low`` (A < 0 and d < -clip_low), ``pg_clipfrac`` (their sum), ``ppo_kl``.
+    """
+    del clip_ratio_c
+    _, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    valid = _bool_mask(log_ratio, response_mask)
+    zero = _zero_like_scalar(log_ratio)
+    clipped = torch.where(advantages > 0, log_ratio.clamp(max=clip_high),
+                          torch.where(advantages < 0, log_ratio.clamp(min=-clip_low), zero))
+    seq_ratio = torch.exp(masked_mean(clipped, valid, dim=-1))  # (B,)
+    seq_adv = masked_mean(advantages, valid, dim=-1)  # (B,)
+    seq_loss = -seq_adv * seq_ratio  # (B,)
+    if token_weights is not None:
+        w = _masked(token_weights, valid).clamp(min=1e-30)
+        seq_loss = seq_loss * torch.exp(masked_mean(torch.log(w), valid, dim=-1))
+    loss_mat = _broadcast_to_tokens(seq_loss, valid)
+    loss = agg_loss(loss_mat, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+    with torch.no_grad():
+        high = masked_mean(((advantages > 0) & (log_ratio > clip_high)).to(log_ratio.dtype), valid).item()
+        low = masked_mean(((advantages < 0) & (log_ratio < -clip_low)).to(log_ratio.dtype), valid).item()
+    return loss, {"pg_clipfrac": high + low, "pg_clipfrac_high": high, "pg_clipfrac_low": low,
+                  "ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    w_t = sg(clip(r_t, 1 - clip_low, 1 + clip_high)), l_t = -w_t A_t logp_t: every token keeps a
+    gradient (w_t A_t d logp_t), however far its ratio has moved. Metrics: ``pg_clipfrac`` (share of
+    tokens whose weight was clipped), ``ppo_kl``.
+    """
+    del clip_ratio_c
+    log_probs, _, advantages, log_ratio = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_mat = -weight * advantages * log_probs
+    loss = _aggregate(loss_mat, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
+    with torch.no_grad():
+        clipfrac = masked_mean((ratio != weight).to(ratio.dtype), response_mask).item()
+    return loss, {"pg_clipfrac": clipfrac, "ppo_kl": _ppo_kl(log_ratio, response_mask)}
 
 
 @torch.no_grad()
@@ -652,6 +1051,106 @@ def tis_weights(
     return weights, metrics
 
 
+# verl's rollout rejection modes (algorithm.rollout_correction.rollout_rs): a statistic of the per-token log-ratio
+# d = log pi_old - log pi_rollout, per token or per sequence. k1 = -d (log pi_rollout / pi_old) is kept inside a band
+# [log lower, log upper]; k2 = d^2 / 2 and k3 = exp(d) - 1 - d are kept at or below an upper bound.
+ROLLOUT_RS_MODES: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)
+
+
+@torch.no_grad()
+def rollout_correction_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is: str | None = None,
+    threshold: float = 2.0,
+    batch_normalize: bool = False,
+    rejection: list[tuple[str, float | None, float]] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout correction (verl's ``algorithm.rollout_correction``) as one detached weight per token, (B, T).
+
+    With d_t = clamp(log pi_old - log pi_rollout, -20, 20) on real tokens:
+
+    * ``rollout_is="token"``: w_t = min(exp(d_t), threshold) (token TIS);
+      ``"sequence"``: w_it = min(exp(clamp(sum_t d_it, -20, 20)), threshold) on every token of response i;
+      ``None``: w = 1. With ``batch_normalize`` the weights are divided by their mean (over real tokens for
+      token, over responses for sequence), after truncation.
+    * ``rejection``: ``(mode, lower, upper)`` triples (:data:`ROLLOUT_RS_MODES`); a token, or every token of a
+      sequence, whose statistic leaves its bounds gets weight 0 (all triples must pass).
+
+    Metrics (over real tokens, responses for the ``seq`` ones): ``is_weight_mean`` (the weights applied),
+    ``is_ratio_max`` (before truncation), ``is_clipfrac`` (share truncated), ``is_batch_norm_factor``,
+    ``rs_masked_fraction`` (tokens rejected), ``rs_seq_masked_fraction`` (responses with a rejected token),
+    and ``rs_<mode>_masked_fraction`` per mode.
+    """
+    m = _bool_mask(old_log_probs, response_mask)
+    dtype = torch.float64 if old_log_probs.dtype == torch.float64 else torch.float32
+    d = _masked(old_log_probs.to(dtype) - rollout_log_probs.to(dtype), m).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    nonempty = m.any(dim=-1)  # (B,)
+    metrics: dict[str, float] = {}
+    ones = torch.ones_like(d)
+    if rollout_is is None:
+        weights = ones
+    else:
+        if not threshold > 0:
+            raise ValueError(f"rollout_is_threshold must be positive, got {threshold}")
+        if rollout_is == "token":
+            ratio = torch.exp(d)
+        elif rollout_is == "sequence":
+            seq = masked_sum(d, m, dim=-1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B,)
+            ratio = torch.exp(seq).unsqueeze(-1).expand_as(d)
+        else:
+            raise ValueError(f"rollout_is must be 'token' or 'sequence', got {rollout_is!r}")
+        weights = ratio.clamp(max=threshold)
+        metrics["is_ratio_max"] = float(ratio[m].max()) if bool(m.any()) else 0.0
+        metrics["is_clipfrac"] = masked_mean((ratio > threshold).to(dtype), m).item()
+        if batch_normalize:
+            if rollout_is == "token":
+                mean = masked_mean(weights, m)
+            else:
+                mean = masked_mean(masked_mean(weights, m, dim=-1), nonempty)  # one weight per response
+            factor = float(mean) if float(mean) > 1e-8 else 1.0
+            weights = weights / factor
+            metrics["is_batch_norm_factor"] = factor
+    keep = m.clone()
+    if rejection:
+        k1 = -d
+        k2 = 0.5 * d.square()
+        k3 = torch.exp(d) - 1.0 - d
+        for mode, lower, upper in rejection:
+            stat_name = mode.rsplit("_", 1)[1]
+            token_stat = {"k1": k1, "k2": k2, "k3": k3}[stat_name]
+            if mode.startswith("token_"):
+                stat = token_stat
+            elif mode.startswith("seq_sum_"):
+                stat = masked_sum(token_stat, m, dim=-1).unsqueeze(-1).expand_as(d)
+            elif mode.startswith("seq_mean_"):
+                stat = masked_mean(token_stat, m, dim=-1).unsqueeze(-1).expand_as(d)
+            elif mode.startswith("seq_max_") and stat_name != "k1":
+                stat = torch.where(m, token_stat, torch.full_like(token_stat, -math.inf)).amax(dim=-1)
+                stat = torch.where(nonempty, stat, torch.zeros_like(stat)).unsqueeze(-1).expand_as(d)
+            else:
+                raise ValueError(f"unknown rollout_rs mode {mode!r}; valid modes: {', '.join(ROLLOUT_RS_MODES)}")
+            if stat_name == "k1":
+                if lower is None:
+                    raise ValueError(f"rollout_rs mode {mode} needs a lower and an upper bound")
+                passed = (stat >= math.log(lower)) & (stat <= math.log(upper))
+            else:
+                passed = stat <= upper
+            metrics[f"rs_{mode}_masked_fraction"] = masked_mean((~passed).to(dtype), m).item()
+            keep &= passed
+        rejected = m & ~keep
+        metrics["rs_masked_fraction"] = masked_mean(rejected.to(dtype), m).item()
+        metrics["rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dtype), nonempty).item()
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    metrics["is_weight_mean"] = masked_mean(weights, m).item()
+    return weights, metrics
+
+
 @torch.no_grad()
 def logprob_diff(
     rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
@@ -668,6 +1167,12 @@ def logprob_diff(
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
     "vanilla": ppo_policy_loss,
     "gspo": gspo_policy_loss,
+    "sapo": sapo_policy_loss,
+    "gpg": gpg_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "cispo": cispo_policy_loss,
 }
 
 
