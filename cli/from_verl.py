@@ -21,11 +21,12 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlx.cli import verl_shell
 from rlx.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +74,37 @@ def _resolve_interpolations(keys: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_verl_source(source: str) -> dict[str, Any]:
+def _trainer_keys(read: verl_shell.ShellRead) -> dict[str, Any]:
+    """The ``KEY=VALUE`` overrides among the trainer's words (``+KEY``/``++KEY`` too; ``~KEY`` deletions);
+    a value that needs a variable nothing sets, or a command rlx will not run, is named with its key."""
+    keys: dict[str, Any] = {}
+    for word in read.words:
+        text = word.text
+        if text.startswith("~"):  # Hydra's deletion of a default key (reported as unmapped)
+            keys[text.partition("=")[0]] = None
+            continue
+        key, eq, raw = text.partition("=")
+        if not eq or not key or key.startswith("-") or "$" in key:
+            continue
+        key = key.lstrip("+")
+        if word.commands:
+            raise UserError(f"--from-verl: {key} is set by running a command ($({word.commands[0]})), which rlx "
+                            "never runs.", f"Put the value itself in the script, or give {key} on the rlx command "
+                            "line and leave it out of the script.")
+        if word.unset:
+            names = ", ".join(f"${name}" for name in dict.fromkeys(word.unset))
+            raise UserError(f"--from-verl: {key} needs {names}, which the script does not set and the environment "
+                            "does not have.", f"Set it when you run rlx ({word.unset[0]}=... rlx train --from-verl "
+                            f"...), or set it in the script.")
+        keys[key] = _parse_value(raw)
+    if not keys:
+        raise UserError("--from-verl: the verl command sets no KEY=VALUE settings.",
+                        "Give the verl command with its settings, e.g. python3 -m verl.trainer.main_ppo "
+                        "data.train_files=... actor_rollout_ref.model.path=...")
+    return _resolve_interpolations(keys)
+
+
+def read_verl_source(source: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The verl keys a command line (or a YAML file of Hydra keys) sets: ``{dotted key: value}``.
 
     In a command line, ``KEY=VALUE`` words after the program are Hydra overrides (``+KEY``/``++KEY`` too,
@@ -102,6 +133,9 @@ def read_verl_source(source: str) -> dict[str, Any]:
             raise UserError(f"--from-verl {text}: the top level must be a mapping of verl sections.")
         data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
         return _resolve_interpolations(_flatten(data))
+    read = verl_shell.trainer_words(text, environ)  # environ: the variables a script reads (os.environ)
+    if read is not None:  # a script or command line that starts verl's trainer: read as bash would expand it
+        return _trainer_keys(read)
     try:
         words = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as exc:
@@ -189,6 +223,8 @@ AA = "actor_rollout_ref.actor."
 RO = "actor_rollout_ref.rollout."
 REF = "actor_rollout_ref.ref."
 MODEL = "actor_rollout_ref.model."
+_DAPO_KWARGS = "reward_model.reward_kwargs."
+OVERLONG = _DAPO_KWARGS + "overlong_buffer_cfg."
 
 # verl key -> rlx key, same meaning and value.
 DIRECT: dict[str, str] = {
@@ -245,6 +281,8 @@ DIRECT: dict[str, str] = {
     RO + "top_k": "rollout.top_k",
     RO + "val_kwargs.temperature": "rollout.val_temperature",
     RO + "val_kwargs.n": "rollout.val_n",
+    RO + "val_kwargs.top_p": "rollout.val_top_p",
+    RO + "val_kwargs.top_k": "rollout.val_top_k",
     "critic.model.path": "critic.model_path",
     "critic.model.use_remove_padding": "critic.use_remove_padding",
     "critic.optim.lr": "critic.optim.lr",
@@ -299,8 +337,10 @@ IGNORED: dict[str, str] = {
     "critic.checkpoint.": "what a checkpoint holds: rlx saves what a resume needs",
     AA + "use_torch_compile": _PLACEMENT, AA + "entropy_from_logits_with_chunking": _PLACEMENT,
     AA + "entropy_checkpointing": _PLACEMENT, AA + "data_loader_seed": "rlx seeds everything from trainer.seed",
-    AA + "strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
-    "critic.strategy": "rlx's backend is chosen with --backend (torch, fsdp, fsdp2)",
+    "critic.strategy": "rlx trains the critic with the actor's backend",
+    REF + "strategy": "rlx computes the reference with the actor's backend",
+    REF + "megatron.": "rlx lays the reference out as the actor (backend.*): " + _PLACEMENT,
+    "critic.megatron.": "rlx lays the critic out as the actor (backend.*): " + _PLACEMENT,
     AA + "optim.total_training_steps": "filled in by verl at run time",
     RO + "free_cache_engine": _PLACEMENT, RO + "load_format": _PLACEMENT,
     RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT, RO + "mode": _PLACEMENT,
@@ -321,6 +361,16 @@ IGNORED: dict[str, str] = {
     "trainer.del_local_ckpt_after_load": "", "trainer.profile_steps": _PLACEMENT, "global_profiler.": _PLACEMENT,
     "ray_kwargs.": _PLACEMENT, "ray_init.": _PLACEMENT, "trainer.device": "",
     "reward_model.enable": "",
+    RO + "engine_kwargs.": "the engine's own internals (caches, attention kernels): " + _PLACEMENT,
+    RO + "max_model_len": "the engine's context limit: rlx sizes it from the prompt and response lengths",
+    RO + "multi_stage_wake_up": _PLACEMENT, RO + "data_parallel_size": _PLACEMENT,
+    REF + "ulysses_sequence_parallel_size": "rlx computes the reference with the actor's layout: " + _PLACEMENT,
+    REF + "use_torch_compile": _PLACEMENT, AA + "profiler.": _PLACEMENT, REF + "profiler.": _PLACEMENT,
+    "critic.profiler.": _PLACEMENT, "actor_rollout_ref.nccl_timeout": _PLACEMENT,
+    "trainer.use_legacy_worker_impl": "verl's choice between two implementations of the same workers",
+    "reward_model.num_workers": _PLACEMENT, "reward_model.use_reward_loop": "verl's choice between two "
+    "implementations of the same reward computation",
+    "trainer.max_critic_ckpt_to_keep": "rlx keeps trainer.max_checkpoints_to_keep checkpoints of every role",
 }
 
 # verl's engine settings -> the option of each rlx engine that has one; with an engine that has none, the
@@ -484,10 +534,22 @@ def _dynamic_log_prob(value: Any, t: Translation, verl: dict[str, Any], source: 
     raise _Ignored("follows actor.use_dynamic_bsz")
 
 
-def _deprecated_global(value: Any) -> None:
+def _deprecated_global(value: Any, key: str, verl: dict[str, Any], t: Translation, target: str) -> None:
+    """verl's older global micro-batch sizes: split over the GPUs, as verl does, unless the ``*_per_gpu`` key
+    is given too (it wins in verl)."""
     if value is None:
         raise _Ignored("null")
-    raise _Unmapped("a global micro-batch size; give the *_per_gpu key instead")
+    if verl.get(key + "_per_gpu") is not None:
+        raise _Ignored(f"{key}_per_gpu is given and wins")
+    gpus = _count(verl, "trainer.n_gpus_per_node") * _count(verl, "trainer.nnodes")
+    if isinstance(value, bool) or not isinstance(value, int) or value < gpus or value % gpus:
+        raise _Unmapped(f"a global micro-batch size of {value!r}, which verl splits over {gpus} GPUs; give the "
+                        "*_per_gpu key instead")
+    if target == "actor.log_prob_micro_batch_size_per_device":
+        _micro_batch(value // gpus, target, t, key, "log-prob micro-batch")
+    else:
+        t.set(target, value // gpus, key)
+    t.notes.append(f"{key}={value}: {value // gpus} per GPU over {gpus} GPUs ({target})")
 
 
 def _critic_mini_batch(value: Any, verl: dict[str, Any]) -> None:
@@ -572,20 +634,92 @@ SPECIAL: dict[str, Special] = {
                                                                               RO + "log_prob_use_dynamic_bsz"),
     REF + "log_prob_use_dynamic_bsz": lambda v, t, verl, pm: _dynamic_log_prob(v, t, verl,
                                                                                REF + "log_prob_use_dynamic_bsz"),
-    AA + "ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
-    RO + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
-    REF + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
-    "critic.ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(v),
+    AA + "ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(
+        v, AA + "ppo_micro_batch_size", verl, t, "actor.micro_batch_size_per_device"),
+    RO + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(
+        v, RO + "log_prob_micro_batch_size", verl, t, "actor.log_prob_micro_batch_size_per_device"),
+    REF + "log_prob_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(
+        v, REF + "log_prob_micro_batch_size", verl, t, "actor.log_prob_micro_batch_size_per_device"),
+    "critic.ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(
+        v, "critic.ppo_micro_batch_size", verl, t, "critic.micro_batch_size_per_device"),
     "critic.ppo_mini_batch_size": lambda v, t, verl, pm: _critic_mini_batch(v, verl),
     "trainer.val_only": lambda v, t, verl, pm: _only_if(bool(v), False, "rlx validates during training only "
                                                                         "(use rlx eval)"),
-    "reward_model.reward_manager": lambda v, t, verl, pm: _only_if(v, "naive", "rlx scores each response on its "
-                                                                             "own, as verl's naive manager"),
+    "reward_model.reward_manager": lambda v, t, verl, pm: _reward_manager(v),
+    **{key: (lambda k: lambda v, t, verl, pm: _dapo_key(k, verl))(key) for key in (
+        OVERLONG + "enable", OVERLONG + "len", OVERLONG + "penalty_factor", OVERLONG + "log",
+        _DAPO_KWARGS + "max_resp_len")},
     "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _only_if(
         bool(v), False, "rlx has no bypass mode (pi_old = pi_rollout): it always recomputes the old log-probs"),
     "algorithm.rollout_correction.loss_type": lambda v, t, verl, pm: _only_if(
         v, "ppo_clip", "the loss type of verl's bypass mode, which rlx does not have"),
 }
+
+
+# verl's Megatron settings of the actor -> rlx's megatron backend options (verl lays the reference and
+# the critic out on their own; rlx lays every role out as the actor, which changes placement, not results).
+MEGATRON = AA + "megatron."
+MEGATRON_OPTIONS: dict[str, str] = {
+    "tensor_model_parallel_size": "tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "virtual_pipeline_model_parallel_size",
+    "context_parallel_size": "context_parallel_size",
+    "sequence_parallel": "sequence_parallel",
+    "use_distributed_optimizer": "use_distributed_optimizer",
+    "override_transformer_config.recompute_granularity": "recompute_granularity",
+    "override_transformer_config.recompute_method": "recompute_method",
+    "override_transformer_config.recompute_num_layers": "recompute_num_layers",
+}
+_MEGATRON_PLACEMENT = (
+    "param_offload", "grad_offload", "optimizer_offload", "use_mbridge", "vanilla_mbridge", "seed",
+    "use_dist_checkpointing", "dist_checkpointing_path", "override_transformer_config.gradient_accumulation_fusion",
+    "override_transformer_config.apply_rope_fusion", "override_transformer_config.bias_activation_fusion",
+    "override_transformer_config.masked_softmax_fusion", "override_transformer_config.bias_dropout_fusion",
+    "override_transformer_config.persist_layer_norm", "override_transformer_config.deallocate_pipeline_outputs",
+    "override_transformer_config.attention_backend", "override_transformer_config.num_layers_in_first_pipeline_stage",
+    "override_transformer_config.num_layers_in_last_pipeline_stage",
+    "override_transformer_config.account_for_loss_in_pipeline_split",
+    "override_transformer_config.account_for_embedding_in_pipeline_split")
+
+
+def _backend(verl: dict[str, Any], t: Translation) -> None:
+    """verl's strategy -> rlx's backend: megatron is megatron; fsdp and fsdp2 train the same model as rlx's
+    default torch backend, and need rlx's fsdp2 for Ulysses sequence parallelism."""
+    strategy = verl.get(AA + "strategy", "fsdp")
+    if strategy == "megatron":
+        t.set("backend.name", "megatron", AA + "strategy")
+    elif strategy not in ("fsdp", "fsdp2"):
+        t.unmapped.append((AA + "strategy", f"rlx's backends are torch, fsdp, fsdp2 and megatron, not {strategy}"))
+    elif any(isinstance(verl.get(k), int) and verl.get(k, 1) > 1 for k in (
+            AA + "ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")):
+        t.set("backend.name", "fsdp2", AA + "strategy")  # fsdp2 also has LoRA, which FSDP1 cannot hold
+        t.notes.append(f"{AA}ulysses_sequence_parallel_size > 1: rlx's fsdp2 backend, which has Ulysses")
+    for key, value in verl.items():
+        rest = key.removeprefix(MEGATRON)
+        if rest == key:
+            continue
+        if strategy != "megatron":
+            t.ignored.append((key, f"the actor's strategy is {strategy}: verl reads megatron.* only with megatron"))
+        elif rest in MEGATRON_OPTIONS:
+            if value is not None:
+                t.set(f"backend.{MEGATRON_OPTIONS[rest]}", value, key)
+        elif rest in _MEGATRON_PLACEMENT:
+            t.ignored.append((key, _PLACEMENT))
+        elif rest in ("expert_model_parallel_size", "expert_tensor_parallel_size") and value in (1, None):
+            t.ignored.append((key, "1: no expert parallelism"))
+        else:
+            t.unmapped.append((key, "rlx's megatron backend trains dense models (no mixture-of-experts settings)"
+                               if "expert" in rest or "moe" in rest else "no rlx counterpart"))
+
+
+def _reward_manager(value: Any) -> None:
+    if value in ("naive", "batch"):
+        raise _Ignored("rlx scores each response on its own, as verl's naive manager (batch: the same scores, "
+                       "computed together)")
+    if value != "dapo":
+        raise _Unmapped(f"verl's {value} reward manager; rlx follows naive, batch and dapo")
+    raise _Ignored("the dapo manager's rule score is the router reward; its overlong buffer, when enabled, is "
+                   "rlx's overlong reward in a mix")
 
 
 def _is_ignored(key: str) -> str | None:
@@ -610,6 +744,25 @@ def _reward(verl: dict[str, Any], t: Translation) -> None:
     t.set("reward.name", "router", "verl default")
     t.notes.append("no reward model or custom function: verl scores by each row's data_source, as rlx's router "
                    "reward does")
+    if verl.get("reward_model.reward_manager") == "dapo" and verl.get(OVERLONG + "enable") in (True, "True", "true"):
+        # DAPO's soft overlong punishment: 0 up to max_resp_len - len tokens, then down to -penalty_factor at
+        # max_resp_len, added to the rule reward; rlx's overlong reward is that term, mixed in.
+        options = {"buffer_tokens": verl.get(OVERLONG + "len"), "penalty": verl.get(OVERLONG + "penalty_factor")}
+        if verl.get(_DAPO_KWARGS + "max_resp_len") is not None:
+            options["max_tokens"] = verl[_DAPO_KWARGS + "max_resp_len"]
+        t.set("reward.name", "mix", "reward_model.reward_manager")
+        t.set("reward.components", [{"name": "router"}, {"name": "overlong", "options": {
+            k: v for k, v in options.items() if v is not None}}], OVERLONG + "*")
+        t.notes.append("reward_model.reward_manager=dapo with overlong_buffer_cfg.enable: rlx's mix of the "
+                       "router (the rule reward) and the overlong penalty")
+
+
+def _dapo_key(key: str, verl: dict[str, Any]) -> None:
+    """The DAPO reward manager's settings, read by :func:`_reward`."""
+    if verl.get("reward_model.reward_manager") != "dapo":
+        raise _Unmapped("a setting of verl's dapo reward manager, without reward_model.reward_manager=dapo")
+    if key == OVERLONG + "log":
+        raise _Ignored("logging only")
 
 
 def _count(verl: dict[str, Any], key: str) -> int:
@@ -623,9 +776,10 @@ def _count(verl: dict[str, Any], key: str) -> int:
     return value
 
 
-def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
-    """The rlx settings for a verl command line, YAML path, or dict of verl keys."""
-    verl = read_verl_source(source) if isinstance(source, str) else dict(source)
+def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str, str] | None = None) -> Translation:
+    """The rlx settings for a verl command line or script, YAML path, or dict of verl keys (``environ``: the
+    environment a script's variables come from, ``os.environ`` by default)."""
+    verl = read_verl_source(source, environ) if isinstance(source, str) else dict(source)
     t = Translation()
     if "algorithm.adv_estimator" not in verl:
         t.set("algorithm.name", "ppo", "verl default")
@@ -645,8 +799,9 @@ def translate(source: str | dict[str, Any], pm: Any = None) -> Translation:
 
     # The engine first: the engine settings that follow map onto its options.
     _rollout_name(verl.get(RO + "name", "vllm"), t, pm)
+    _backend(verl, t)
     for key, value in verl.items():
-        if key == RO + "name":
+        if key == RO + "name" or key == AA + "strategy" or key.startswith(MEGATRON):
             continue
         if key.startswith("~"):
             t.unmapped.append((key, "Hydra key deletion"))
@@ -704,7 +859,7 @@ def _drop_remote_code(t: Translation) -> None:
             t.notes.append(f"{source}={value} is left out: rlx runs a model folder's own code only when you ask "
                            f"on its command line; add {key}=true to the rlx command if you trust that code")
     path = t.settings.get("reward.path")
-    if isinstance(path, str) and path:  # the custom reward: importing the file runs it
+    if t.settings.get("reward.name") == "custom" and isinstance(path, str) and path:  # importing the file runs it
         source = t.sources.pop("reward.path", "custom_reward_function.path")
         del t.settings["reward.path"]
         t.notes.append(f"{source}={path} is left out: rlx imports a reward file only when you name it on its "

@@ -260,6 +260,10 @@ class RolloutConfig(ComponentSection):
     val_temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE,
                                    description="Temperature for validation (0 = greedy).")
     val_n: int = Field(1, gt=0, le=MAX_SAMPLES, description="Responses per prompt during validation.")
+    val_top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass during validation "
+                                    "(default: top_p).")
+    val_top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="Top-k during validation (-1 = off; "
+                                  "default: top_k).")
 
     @field_validator("temperature", "val_temperature")
     @classmethod

@@ -509,7 +509,8 @@ class Trainer:
         assert self.val_set is not None
         cfg = self.cfg
         params = SamplingParams(n=cfg.rollout.val_n, temperature=cfg.rollout.val_temperature,
-                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                top_p=cfg.rollout.top_p if cfg.rollout.val_top_p is None else cfg.rollout.val_top_p,
+                                top_k=cfg.rollout.top_k if cfg.rollout.val_top_k is None else cfg.rollout.val_top_k,
                                 max_tokens=cfg.data.max_response_length,
                                 greedy=cfg.rollout.val_temperature == 0)
         # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.evaluation).
