@@ -478,22 +478,37 @@ def _lora_rank(value: Any, t: Translation) -> None:
     t.set("model.lora_rank", value, MODEL + "lora_rank")
 
 
-def _warmup_steps(value: Any, t: Translation) -> None:
+def _warmup_steps(value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    """verl steps its lr schedule once per training step, rlx once per optimizer step: verl's N warm-up
+    steps are N x ppo_epochs x (train_batch_size / ppo_mini_batch_size) of rlx's."""
     if isinstance(value, int) and value < 0:
         raise _Ignored("negative: verl then uses lr_warmup_steps_ratio")
-    t.set("actor.optim.warmup_steps", value, AA + "optim.lr_warmup_steps")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Unmapped(f"{value!r} is not a whole number of steps")
+    epochs, batch, mini = (verl.get(AA + "ppo_epochs", 1), verl.get("data.train_batch_size", 1024),
+                           verl.get(AA + "ppo_mini_batch_size", 256))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (epochs, batch, mini)) \
+            or batch % mini:
+        raise _Unmapped("rlx counts warm-up in optimizer steps, and the optimizer steps per training step "
+                        "(ppo_epochs x train_batch_size / ppo_mini_batch_size) are not whole numbers here")
+    per_step = epochs * (batch // mini)
+    t.set("actor.optim.warmup_steps", value * per_step, AA + "optim.lr_warmup_steps")
+    if value and per_step > 1:
+        t.notes.append(f"{AA}optim.lr_warmup_steps={value}: {value * per_step} optimizer steps in rlx "
+                       f"({per_step} per training step)")
 
 
-def _warmup_ratio(value: Any, t: Translation, verl: dict[str, Any]) -> None:
+def _warmup_ratio(value: Any, t: Translation, verl: dict[str, Any], role: str = "actor") -> None:
     if not value:
         raise _Ignored("0: no warm-up")
-    steps = verl.get("trainer.total_training_steps")
-    if not isinstance(steps, int):
-        raise _Unmapped("a fraction of the total steps, which rlx knows only with trainer.total_training_steps; "
-                        "give actor_rollout_ref.actor.optim.lr_warmup_steps instead")
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise _Unmapped(f"{value!r} is not a fraction between 0 and 1")
-    t.set("actor.optim.warmup_steps", int(value * steps), AA + "optim.lr_warmup_steps_ratio")
+    prefix = AA if role == "actor" else "critic."
+    steps = verl.get(prefix + "optim.lr_warmup_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        raise _Ignored(f"{prefix}optim.lr_warmup_steps={steps} is given and wins, as in verl")
+    # rlx's warm-up, like verl's, counts the optimizer's steps: the same fraction of the same count.
+    t.set(f"{role}.optim.warmup_ratio", float(value), prefix + "optim.lr_warmup_steps_ratio")
 
 
 def _schedule(value: Any, t: Translation, source: str) -> None:
@@ -614,8 +629,9 @@ SPECIAL: dict[str, Special] = {
     "trainer.total_training_steps": lambda v, t, verl, pm: _total_steps(v, t),
     "trainer.total_epochs": lambda v, t, verl, pm: t.set("trainer.total_epochs", v, "trainer.total_epochs"),
     MODEL + "lora_rank": lambda v, t, verl, pm: _lora_rank(v, t),
-    AA + "optim.lr_warmup_steps": lambda v, t, verl, pm: _warmup_steps(v, t),
+    AA + "optim.lr_warmup_steps": lambda v, t, verl, pm: _warmup_steps(v, t, verl),
     AA + "optim.lr_warmup_steps_ratio": lambda v, t, verl, pm: _warmup_ratio(v, t, verl),
+    "critic.optim.lr_warmup_steps_ratio": lambda v, t, verl, pm: _warmup_ratio(v, t, verl, "critic"),
     AA + "optim.warmup_style": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.warmup_style"),
     AA + "optim.lr_scheduler_type": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.lr_scheduler_type"),
     RO + "val_kwargs.do_sample": lambda v, t, verl, pm: _val_do_sample(v, t, verl),

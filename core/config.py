@@ -129,9 +129,23 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.01, ge=0, le=MAX_WEIGHT_DECAY, description="AdamW weight decay.")
     betas: tuple[_Beta, _Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
+    warmup_ratio: float | None = Field(None, ge=0, le=1, description="The warm-up as a fraction of all of "
+                                       "training's optimizer steps (instead of warmup_steps), as verl's "
+                                       "lr_warmup_steps_ratio.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="After warm-up.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (cosine/linear).")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimConfig:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError(f"give warmup_steps ({self.warmup_steps}) or warmup_ratio ({self.warmup_ratio}), "
+                             "not both")
+        return self
+
+    def warmup_for(self, total_steps: int) -> int:
+        """The warm-up in optimizer steps, of ``total_steps`` in all."""
+        return self.warmup_steps if self.warmup_ratio is None else int(self.warmup_ratio * total_steps)
 
 
 class ActorConfig(_Section):

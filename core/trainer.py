@@ -149,10 +149,11 @@ class Trainer:
     def _role_spec(self, role: str, trainable: bool) -> RoleSpec:
         cfg, o = self.cfg, self.cfg.actor.optim
         minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        total = self.total_steps * cfg.actor.ppo_epochs * minibatches
         return RoleSpec(
             role=role, model_path=self.model_path, trainable=trainable, dtype=cfg.model.dtype, lr=o.lr,
-            weight_decay=o.weight_decay, betas=o.betas, warmup_steps=o.warmup_steps,
-            total_steps=self.total_steps * cfg.actor.ppo_epochs * minibatches, lr_schedule=o.lr_schedule,
+            weight_decay=o.weight_decay, betas=o.betas, warmup_steps=o.warmup_for(total),
+            total_steps=total, lr_schedule=o.lr_schedule,
             grad_clip=o.grad_clip, micro_batch_size=cfg.actor.micro_batch_size_per_device,
             gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.trainer.seed,
             trust_remote_code=cfg.model.trust_remote_code,
@@ -167,7 +168,8 @@ class Trainer:
         return dataclasses.replace(
             self._role_spec("critic", True), model_path=resolve_path(c.model_path) if c.model_path else self.model_path,
             value_head=True, lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=c.optim.betas,
-            warmup_steps=c.optim.warmup_steps, total_steps=self.total_steps * epochs * minibatches,
+            warmup_steps=c.optim.warmup_for(self.total_steps * epochs * minibatches),
+            total_steps=self.total_steps * epochs * minibatches,
             lr_schedule=c.optim.lr_schedule, grad_clip=c.optim.grad_clip,
             micro_batch_size=c.micro_batch_size_per_device,
             extra={"min_lr_ratio": c.optim.min_lr_ratio,

@@ -259,7 +259,7 @@ def test_conversions_where_verl_and_rlx_differ():
     assert s["trainer.loggers"] == ["console", "jsonl"]
     assert s["trainer.output_dir"] == "ckpts/{project}/{experiment}"
     assert s["trainer.resume"] == "never" and s["trainer.total_steps"] == 7
-    assert s["actor.optim.warmup_steps"] == 3 and s["rollout.val_temperature"] == 0.0
+    assert s["actor.optim.warmup_ratio"] == 0.5 and s["rollout.val_temperature"] == 0.0
     assert s["launcher.name"] == "ray" and s["launcher.nproc"] == 8
     assert ("actor_rollout_ref.model.lora_rank", "0: no LoRA, the whole model trains") in t.ignored
     nulls = translate({"data.val_batch_size": None, "actor_rollout_ref.model.tokenizer_path": None})
@@ -269,8 +269,13 @@ def test_conversions_where_verl_and_rlx_differ():
     other = translate({"algorithm.adv_estimator": "grpo_passk", "trainer.resume_mode": "resume_path",
                        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.1}, get_plugin_manager())
     assert other.settings["algorithm.name"] == "grpo" and other.settings["algorithm.adv_estimator"] == "grpo_passk"
-    assert {k for k, _ in other.unmapped} == {"trainer.resume_mode",
-                                               "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"}
+    assert {k for k, _ in other.unmapped} == {"trainer.resume_mode"}
+    assert other.settings["actor.optim.warmup_ratio"] == 0.1  # of the run's optimizer steps, known at run time
+    # verl steps its schedule per training step, rlx per optimizer step: 2 epochs x 4 mini-batches each.
+    steps = translate({"actor_rollout_ref.actor.optim.lr_warmup_steps": 3, "actor_rollout_ref.actor.ppo_epochs": 2,
+                       "data.train_batch_size": 64, "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+                       "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.1}, get_plugin_manager())
+    assert steps.settings["actor.optim.warmup_steps"] == 24 and "actor.optim.warmup_ratio" not in steps.settings
 
 
 def test_yaml_source_is_flattened_with_its_interpolations(tmp_path):

@@ -240,7 +240,7 @@ EXPECTED = {
     "tuning__0.5b__qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": "valid",
     "gspo_trainer__test_gspo_3b_math.sh": "valid",
     "grpo_trainer__run_deepseek671b_math_megatron_80gb.sh": "valid",
-    "ppo_trainer__run_qwen2-7b_rm.sh": "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    "ppo_trainer__run_qwen2-7b_rm.sh": "reward_model.rollout.name",  # a generative reward model
     "grpo_trainer__run_qwen2_5_vl-7b.sh": "data.image_key",
     "sglang_multiturn__run_qwen2.5-3b_gsm8k_multiturn.sh": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
     "grpo_trainer__run_qwen3moe-30b_megatron_96gb.sh": "actor_rollout_ref.actor.optim.override_optimizer_config"
@@ -277,3 +277,14 @@ def test_verls_launch_scripts_translate_or_name_what_rlx_lacks(name: str) -> Non
         load_config(pm, overrides=t.overrides(), check_files=False)  # raises with the problems
     else:
         assert EXPECTED[name] in dict(t.unmapped), t.unmapped
+
+
+def test_a_warmup_ratio_is_a_fraction_of_the_optimizer_steps_and_excludes_warmup_steps() -> None:
+    from pydantic import ValidationError
+
+    from rlx.config import OptimConfig
+
+    assert OptimConfig(warmup_ratio=0.1).warmup_for(250) == 25
+    assert OptimConfig(warmup_steps=7).warmup_for(250) == 7
+    with pytest.raises(ValidationError, match=r"give warmup_steps \(7\) or warmup_ratio \(0.1\), not both"):
+        OptimConfig(warmup_steps=7, warmup_ratio=0.1)
