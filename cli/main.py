@@ -455,10 +455,18 @@ def _default_threads() -> None:
 
 
 def _fail(exc: UserError) -> None:
-    typer.echo(f"Error: {exc.message}", err=True)
+    # A message can quote a file's text (a key of a run folder's config.yaml): its control characters are
+    # printed escaped, so that text never drives the terminal. Line breaks and tabs stay.
+    typer.echo(f"Error: {_terminal_safe(exc.message)}", err=True)
     if exc.hint:
-        typer.echo(exc.hint, err=True)
+        typer.echo(_terminal_safe(exc.hint), err=True)
     sys.exit(EXIT_USER_ERROR)
+
+
+def _terminal_safe(text: str) -> str:
+    from rlx.run_files import printable
+
+    return "\n".join("\t".join(printable(part) for part in line.split("\t")) for line in text.split("\n"))
 
 
 if __name__ == "__main__":

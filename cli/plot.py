@@ -235,9 +235,14 @@ def write_png(out: Path, panels: list[tuple[str, str]], series: list[dict[str, l
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 4) or 1,
                frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except OSError as exc:  # a folder that cannot be made or written, a file in the way, a full disk
+        raise UserError(f"--out {out}: cannot write the picture there ({exc.strerror or exc}).",
+                        "Give a file in a folder you can write to.") from None
+    finally:
+        plt.close(fig)
 
 
 def plot_command(

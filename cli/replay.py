@@ -73,6 +73,13 @@ def read_recorded_metrics(path: Path) -> list[dict[str, Any]]:
     from rlx.run_files import printable
 
     try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                raise UserError(f"{printable(path)} ends in a cut-off line (its last record has no end): the "
+                                "file was truncated, or the run was stopped while writing it.",
+                                "Restore the run's metrics file, or remove its last line to compare the steps "
+                                "before it.")
         records = read_metrics(path, dedupe=False)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{printable(path)} cannot be read as the jsonl logger's metrics: {printable(exc)}.",

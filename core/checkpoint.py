@@ -97,7 +97,7 @@ def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, 
     """Write checkpoint ``step`` under ``root`` with ``write(tmp_folder)``; return its final path.
 
     ``root`` and the checkpoint folder are private (0700) when the folder holding them is (the run folder)."""
-    from rlx.run_files import is_private
+    from rlx.run_files import is_private, make_tree_private
 
     make_dir(root, private=is_private(root.parent))
     for stale in root.glob(".tmp-*"):
@@ -111,6 +111,8 @@ def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, 
         json.dump({"step": step, "format": FORMAT, "files": manifest(tmp), **state}, f)
         f.flush()
         os.fsync(f.fileno())
+    if is_private(root):  # what the backends wrote (torch.save, safetensors) got the umask's modes
+        make_tree_private(tmp)
     _fsync_dir(tmp)
     replace_dir(tmp, final)
     if keep:
@@ -291,10 +293,19 @@ def _flat(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-def resume_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``key: old -> new`` for each key of :data:`RESUME_KEYS` on which two run configs differ."""
+# The same for `rlx rm train`'s runs: what a reward model is trained from and on.
+RM_RESUME_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": ("path", "tokenizer_path", "dtype"), "data": None, "optim": None, "rm": None,
+    "backend": ("name",), "trainer": ("seed",),
+}
+
+
+def resume_differences(old: dict[str, Any], new: dict[str, Any],
+                       keys_of: dict[str, tuple[str, ...] | None] | None = None) -> list[str]:
+    """``key: old -> new`` for each key of :data:`RESUME_KEYS` (or ``keys_of``) on which two run configs
+    differ."""
     diffs = []
-    for section, keys in RESUME_KEYS.items():
+    for section, keys in (RESUME_KEYS if keys_of is None else keys_of).items():
         a, b = old.get(section) or {}, new.get(section) or {}
         if keys is not None:
             a = {k: a[k] for k in keys if k in a}
@@ -306,7 +317,8 @@ def resume_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def check_resumable(run_dir: Path, ckpt: Path, config: dict[str, Any]) -> None:
+def check_resumable(run_dir: Path, ckpt: Path, config: dict[str, Any],
+                    keys_of: dict[str, tuple[str, ...] | None] | None = None) -> None:
     """Refuse to resume the run in ``run_dir`` (from ``ckpt``) with a config that trains something else."""
     import yaml
 
@@ -322,7 +334,7 @@ def check_resumable(run_dir: Path, ckpt: Path, config: dict[str, Any]) -> None:
     if not isinstance(old, dict):
         raise UserError(f"{recorded} is not a mapping, so rlx cannot tell whether {ckpt.name} belongs to this "
                         "config.", "Restore that file, or set trainer.experiment=NAME for a new run.")
-    diffs = resume_differences(old, config)
+    diffs = resume_differences(old, config, keys_of)
     if diffs:
         raise UserError(f"{run_dir} holds a run ({ckpt.name}) whose config differs from this one in what it "
                         f"trains: {'; '.join(diffs)}. rlx resumes a run only with the settings it started with.",

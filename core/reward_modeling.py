@@ -39,7 +39,7 @@ from rlx.datasets import (
 from rlx.errors import UserError, describe_exception
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, pick_device
 from rlx.protocols import RoleSpec, RunInfo
-from rlx.run_files import check_run_folder_links, write_private
+from rlx.run_files import check_run_folder_links, is_private, make_tree_private, write_private
 
 if TYPE_CHECKING:
     import torch
@@ -334,6 +334,8 @@ class RewardModelTrainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         check_run_folder_links(self.run_dir)  # its own files are never links to elsewhere
         self.resume_from = checkpoint.resume_point(self.ckpt_root, self.run_dir, self.cfg.trainer.resume)
+        if self.resume_from is not None:  # other data, model, optimiser... is a new run, not this one
+            checkpoint.check_resumable(self.run_dir, self.resume_from, self.config_dict, checkpoint.RM_RESUME_KEYS)
         checkpoint.make_dir(self.run_dir, private=cfg.trainer.private_run_dir)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
@@ -383,7 +385,11 @@ class RewardModelTrainer:
         try:
             if self.resume_from is not None:
                 self._load(self.resume_from)
-            write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
+                if self.step >= self.total_steps:
+                    return metrics  # nothing to do, said by _load; the run's record and model stay as they are
+            if self.resume_from is None or not (self.run_dir / "config.yaml").is_file():
+                # A run's record is written once, by the run that made it; a resume leaves it as it is.
+                write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
             if self.val_set is not None and t.val_before_train and self.step == 0:
                 self._log(self.validate(), 0)
             while self.step < self.total_steps:
@@ -460,7 +466,8 @@ class RewardModelTrainer:
         self.step = self.saved_step = int(state["step"])
         print(f"Resuming from {path} (step {self.step}).")
         if self.step >= self.total_steps:
-            print(f"That run already finished (trainer.total_steps={self.total_steps}): nothing left to train.")
+            print(f"Run already finished at step {self.step}/{self.total_steps}; nothing to do. To train longer "
+                  f"set trainer.total_steps={self.step + self.total_steps}; for a new run set trainer.experiment=NAME.")
 
     def save_hf(self, target: Path) -> None:
         """The reward model as a Hugging Face sequence-classification folder with its tokenizer, written
@@ -469,6 +476,8 @@ class RewardModelTrainer:
         checkpoint.remove_tree(tmp)
         checkpoint.make_dir(tmp)
         self.worker.save_pretrained(str(tmp), self.tokenizer)
+        if is_private(target.parent):  # the run folder is owner-only: so is the model written into it
+            make_tree_private(tmp)
         checkpoint.replace_dir(tmp, target)
 
 

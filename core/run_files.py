@@ -40,6 +40,20 @@ def is_private(folder: str | os.PathLike[str]) -> bool:
         return False
 
 
+def make_tree_private(folder: str | os.PathLike[str]) -> None:
+    """Make ``folder`` and everything under it owner-only (folders 0700, files 0600), never following a
+    link (a link itself is left as it is)."""
+    root = Path(folder)
+    if not root.is_symlink():
+        os.chmod(root, 0o700)
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(here) / name
+            if path.is_symlink():
+                continue
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
+
+
 def _mode_for(folder: Path) -> int:
     return 0o600 if is_private(folder) else 0o666  # 0o666: the umask decides
 
@@ -135,8 +149,11 @@ def plain_name_problem(value: str, own: str | None = None) -> str | None:
         return f"{value!r} is a folder, not a file name"
     if not value.isprintable():
         return f"{printable(value)!r} holds control characters"
-    if value != own and value in RUN_FILES:
-        return f"{value!r} is a file rlx itself writes in the run folder"
+    if value != value.strip():
+        return f"{value!r} starts or ends with a space"
+    if value != own and value.casefold() in {name.casefold() for name in RUN_FILES}:
+        return f"{value!r} is a file rlx itself writes in the run folder (names are compared ignoring case, " \
+               "as some file systems do)"
     return None
 
 

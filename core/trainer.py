@@ -35,7 +35,7 @@ from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager, call_factory, describe_component
-from rlx.run_files import check_run_folder_links, write_private
+from rlx.run_files import check_run_folder_links, is_private, make_tree_private, write_private
 from rlx.validate import Resolved
 from rlx.workers import RewardWorker
 
@@ -562,4 +562,6 @@ class Trainer:
         checkpoint.remove_tree(tmp)  # a planted link is removed, never followed
         checkpoint.make_dir(tmp)
         self.actor.call_all("save_pretrained", str(tmp), self.tokenizer)
+        if is_private(target.parent):  # the run folder is owner-only: so is the model written into it
+            make_tree_private(tmp)
         checkpoint.replace_dir(tmp, target)

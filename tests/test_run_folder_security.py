@@ -340,6 +340,24 @@ def test_an_ordinary_replay_still_reproduces_the_run_privately(run: Path, tmp_pa
     for name in ("config.yaml", "provenance.json", "metrics.jsonl"):
         assert (run / "replay" / name).stat().st_mode & 0o777 == 0o600, name
     assert (run / "replay" / "checkpoints" / "global_step_1").stat().st_mode & 0o777 == 0o700
+    # Everything under the checkpoint too (what torch.save and safetensors wrote).
+    assert_private_tree(run / "replay" / "checkpoints" / "global_step_1")
+
+
+def assert_private_tree(folder: Path) -> None:
+    modes = {p.relative_to(folder).as_posix(): p.stat().st_mode & 0o777 for p in folder.rglob("*")}
+    assert modes and all(mode == (0o700 if (folder / name).is_dir() else 0o600) for name, mode in modes.items()), \
+        modes
+
+
+def test_the_final_model_in_a_private_run_folder_is_private(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = rlx("train", *[a for a in TINY if not a.startswith("trainer.save_hf_model")], "trainer.total_steps=1",
+               f"trainer.output_dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run.stat().st_mode & 0o777 == 0o700
+    assert_private_tree(run / "hf_model")
+    assert_private_tree(run / "checkpoints")
 
 
 # -- export never destroys its source ----------------------------------------------------------------

@@ -58,3 +58,18 @@ def test_changed_run_is_refused_and_record_written_once(tmp_path: Path) -> None:
     assert "Run already finished at step 1/1; nothing to do" in done.stdout
     assert "trainer.total_steps=2" in done.stdout
     assert {name: (run / name).read_bytes() for name in record} == record
+
+
+def test_a_finished_reward_model_run_is_left_as_it_is(tmp_path: Path) -> None:
+    run = tmp_path / "rm"
+    first = rlx(tmp_path, "rm", "train", "trainer.total_steps=3", f"trainer.output_dir={run}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {p: p.read_bytes() for p in [run / "config.yaml", run / "metrics.jsonl",
+                                          *sorted((run / "hf_model").iterdir())]}
+    again = rlx(tmp_path, "rm", "train", "trainer.total_steps=2", f"trainer.output_dir={run}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Run already finished at step 3/2; nothing to do" in again.stdout
+    assert {p: p.read_bytes() for p in record} == record  # config, metrics and model untouched
+    changed = rlx(tmp_path, "rm", "train", "trainer.total_steps=6", "optim.lr=3e-4", f"trainer.output_dir={run}")
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert "optim.lr: 0.001 -> 0.0003" in changed.stderr and "trainer.experiment=NAME" in changed.stderr
