@@ -23,7 +23,7 @@ from rlx.cli import plot as plot_cli
 from rlx.cli import replay as replay_cli
 from rlx.cli import rm as rm_cli
 from rlx.cli import scaffold
-from rlx.errors import UserError
+from rlx.errors import ConfigError, UserError
 
 app = typer.Typer(name="rlx", help="Reinforcement-learning post-training (PPO, GRPO) for Hugging Face LLMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -256,6 +256,37 @@ def _from_verl(source: str, allow_unmapped: bool) -> Any:
     return translation
 
 
+def _verl_named(exc: Any, translation: Any, own: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """The problems of ``exc`` (a ConfigError), each about a value the translation set named by the verl key
+    the user wrote (``actor_rollout_ref.rollout.n='two' (rlx's rollout.n): ...``); keys in ``own`` (set on
+    rlx's command line) and the others as they are."""
+    out = []
+    for problem in exc.problems:
+        key = problem.split(":", 1)[0].split("=", 1)[0].strip()
+        source = translation.sources.get(key)
+        if source and source != "verl default" and key not in own and ":" in problem:
+            problem = f"{source}={translation.settings.get(key)!r} (rlx's {key}): {problem.split(':', 1)[1].strip()}"
+        out.append(problem)
+    return out
+
+
+def _check_verl_values(translation: Any) -> None:
+    """A verl value rlx's config refuses (``rollout.n=two``) is named by its verl key; the config's other
+    problems (no model yet, say) are left to the command that uses it."""
+    from rlx.errors import ConfigError
+    from rlx.validate import load_config
+
+    try:
+        load_config(_pm(), overrides=translation.overrides(), check_files=False)
+    except ConfigError as exc:
+        ours = [p for p in _verl_named(exc, translation) if p not in exc.problems]
+        if ours:
+            raise UserError("--from-verl: rlx cannot take these verl values:\n" + "\n".join(f"  - {p}" for p in ours),
+                            "Fix them in the verl command.") from None
+    except UserError:
+        pass  # not about the verl values: the command reports it when it loads the config
+
+
 @config_app.command("from-verl")
 def config_from_verl(
         source: Annotated[str, typer.Argument(help="A verl command line (quoted) or a YAML file of verl keys.")],
@@ -265,6 +296,7 @@ def config_from_verl(
     from rlx.cli.from_verl import translate
 
     translation = translate(source, _pm())
+    _check_verl_values(translation)
     typer.echo(translation.to_yaml(), nl=False)
     if translation.unmapped and not allow_unmapped:
         raise translation.unmapped_error()
@@ -302,8 +334,14 @@ def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOp
     if config and preset is None:
         typer.echo(f"Note: --config replaces the built-in preset {DEFAULT_PRESET!r}: the file's keys apply on top of "
                    f"rlx's defaults. Add --preset {DEFAULT_PRESET} to start from the preset instead.", err=True)
-    resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, launcher=launcher,
-                        nproc=nproc)
+    try:
+        resolved = _resolve(config, preset, backend, rollout, algorithm, reward, model, overrides, launcher=launcher,
+                            nproc=nproc)
+    except ConfigError as exc:
+        if from_verl is None:
+            raise
+        own = {o.partition("=")[0].strip() for o in overrides[len(translation.overrides()):]}
+        raise ConfigError(_verl_named(exc, translation, own)) from None
     _quiet_libraries()
     from rlx.trainer import Trainer
 

@@ -240,7 +240,8 @@ def test_train_from_verl_applies_the_translation_under_the_users_overrides(home)
     bad = QUICKSTART.replace("actor.ppo_mini_batch_size=64", "actor.ppo_mini_batch_size=100")
     proc = rlx("train", "--from-verl", bad, f"trainer.output_dir={home / 'run'}", home=home)
     assert proc.returncode == 2
-    assert "actor.ppo_mini_batch_size: 100 must divide data.train_batch_size (256)" in proc.stderr
+    assert ("actor_rollout_ref.actor.ppo_mini_batch_size=100 (rlx's actor.ppo_mini_batch_size): 100 must divide "
+            "data.train_batch_size (256)") in proc.stderr
     ok = rlx("train", "--from-verl", bad, "actor.ppo_mini_batch_size=64", "data.train_files=/nonexistent.parquet",
              f"trainer.output_dir={home / 'run'}", home=home)
     assert ok.returncode == 2 and "ppo_mini_batch_size" not in ok.stderr and "/nonexistent.parquet" in ok.stderr

@@ -149,3 +149,13 @@ def test_from_verl_names_a_warmup_ratio_that_is_not_a_fraction(rlx):
 def test_from_verl_refuses_a_binary_file_named_yaml(rlx, tmp_path):
     (tmp_path / "run.yaml").write_bytes(bytes(range(256)) * 4)
     assert_user_error(rlx("config", "from-verl", str(tmp_path / "run.yaml")), "run.yaml", "not a text file")
+
+
+@pytest.mark.parametrize("command", [("config", "from-verl"), ("train", "--from-verl")])
+def test_from_verl_names_the_verl_key_of_a_value_rlx_refuses(rlx, command):
+    proc = rlx(*command, f"{VERL} actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=abc "
+               "actor_rollout_ref.rollout.n=two")
+    err = assert_user_error(proc, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu='abc' "
+                                  "(rlx's actor.micro_batch_size_per_device)",
+                            "actor_rollout_ref.rollout.n='two' (rlx's rollout.n)")
+    assert "valid integer" in err
