@@ -104,8 +104,7 @@ def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, 
         remove_tree(stale)
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    make_dir(tmp, private=is_private(root))
-    write(tmp)
+    write(tmp)  # makes tmp (the folder is made private below, with what the backend wrote in it)
     marker = tmp / MARKER
     with open(marker, "w") as f:
         json.dump({"step": step, "format": FORMAT, "files": manifest(tmp), **state}, f)
