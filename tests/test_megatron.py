@@ -392,7 +392,7 @@ def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
         which: str, tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """actor.log_prob_chunk_size: the head's logits formed 5 response positions at a time (several chunks per
     row, one crossing rows), each chunk recomputed in the backward pass, give the full head's log-probs,
-    entropies and every weight's gradient (float32, 1e-6); tied (Qwen2: the embedding is the head) and untied."""
+    entropies and every weight's gradient (float32, 1e-6 of each tensor's scale); tied (Qwen2: the embedding is the head) and untied."""
     import rlx.plugins.backends.megatron as backend
 
     emulate_cuda_placement(monkeypatch.setattr)
@@ -413,7 +413,10 @@ def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
         torch.testing.assert_close(chunked[key], full[key], atol=1e-6, rtol=1e-6)
     assert set(chunked["grads"]) == set(full["grads"])
     for name, grad in full["grads"].items():
-        torch.testing.assert_close(chunked["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        # float32 sums in another order: the tolerance scales with the tensor's largest gradient (the tied
+        # embedding's reach 60 and differ by 1e-5 on some CPUs, 2e-7 of its scale)
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(chunked["grads"][name], grad, atol=1e-6 * scale, rtol=1e-5, msg=name)
 
 
 def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
