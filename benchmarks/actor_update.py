@@ -250,10 +250,10 @@ def equivalence() -> None:
     float32 on the CPU: the largest differences (what docs/throughput.md quotes)."""
     import torch
 
-    from rlx import builtin
     from rlx.plugins.algorithms.base import CriticLoss
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
     from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.tasks import builtin
     from rlx.protocols import RoleSpec
 
     torch.set_num_threads(1)

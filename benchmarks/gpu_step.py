@@ -19,7 +19,7 @@ def build_model(path: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlx.builtin import build_tokenizer
+    from rlx.plugins.tasks.builtin import build_tokenizer
 
     tok = build_tokenizer()
     config = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

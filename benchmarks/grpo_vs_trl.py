@@ -112,7 +112,7 @@ def timed(fn: Any) -> float:
 
 # -- generation -----------------------------------------------------------------------------------------
 def prompt_batch(tok: Any, texts: list[str]) -> Any:
-    from rlx.data import PromptExample, collate
+    from rlx.run.data import PromptExample, collate
 
     examples = []
     for i, t in enumerate(texts):

@@ -1,4 +1,5 @@
-"""Seconds per actor -> rollout weight sync of a Qwen2.5-0.5B-shaped model, by transport (``rlx.weight_sync``).
+"""Seconds per actor -> rollout weight sync of a Qwen2.5-0.5B-shaped model, by transport
+(``rlx.plugins.launchers.weight_sync``).
 
 The actor's tensors are the state dict of Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads,
 vocabulary 151,936, tied embeddings listed under both names as ``state_dict()`` lists them) with random values,
@@ -88,7 +89,7 @@ def _process(rank: int, port: int, args: Any, transport: str, results: Any) -> N
     import torch
     import torch.distributed as dist
 
-    from rlx import weight_sync
+    from rlx.plugins.launchers import weight_sync
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -146,7 +147,7 @@ def two_processes(args: Any, transport: str) -> dict[str, Any]:
 def in_process(args: Any) -> dict[str, Any]:
     import torch
 
-    from rlx import weight_sync
+    from rlx.plugins.launchers import weight_sync
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"

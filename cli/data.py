@@ -55,7 +55,7 @@ def prepare(
         ("--tokenizer", tokenizer, None), ("--max-length", max_length, None)) if value != default]
     if given:
         raise UserError(f"{', '.join(given)}: only for `rlx data prepare preference`.")
-    from rlx.datasets import prepare as run
+    from rlx.plugins.tasks.datasets import prepare as run
 
     reports = run(name, out, sources=source, hub_path=dataset, instruction=instruction, data_source=data_source,
                   limit=limit)
@@ -72,7 +72,7 @@ def prepare(
 def _prepare_preference(out: str, source: list[str] | None, dataset: str | None, data_source: str | None,
                         limit: int | None, prompt_key: str, chosen_key: str, rejected_key: str,
                         margin_key: str | None, tokenizer: str | None, max_length: int | None) -> None:
-    from rlx.datasets import prepare_preference
+    from rlx.plugins.tasks.datasets import prepare_preference
 
     if (tokenizer is None) != (max_length is None):
         raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
@@ -93,17 +93,16 @@ def _prepare_preference(out: str, source: list[str] | None, dataset: str | None,
 
 
 def _load_tokenizer(ref: str) -> Any:
-    from rlx.cli.main import _quiet_libraries
-    from rlx.data import resolve_path
-    from rlx.models import load_tokenizer
+    from rlx.run.data import resolve_path
+    from rlx.run.models import load_tokenizer
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
 
     _quiet_libraries()
     return load_tokenizer(resolve_path(ref), False, key="--tokenizer", require_chat_template=False)
 
 
 def _read(file: str) -> list[Any]:
-    from rlx.data import read_rows
-    from rlx.datasets import file_problem
+    from rlx.run.data import file_problem, read_rows
 
     path = Path(os.path.expanduser(file))
     problem = file_problem(path)
@@ -114,7 +113,7 @@ def _read(file: str) -> list[Any]:
     if problem is not None:
         raise UserError(f"{file}: cannot read it: {problem}.")
     if path.suffix in (".jsonl", ".json"):  # preference pairs may come as JSON lines
-        from rlx.datasets import is_preference_file, read_records
+        from rlx.plugins.tasks.datasets import is_preference_file, read_records
 
         rows = read_records(path)
         if rows and not is_preference_file(rows):
@@ -128,7 +127,7 @@ def _preference_problems(rows: list[Any], prompt_key: str, chosen_key: str, reje
                          margin_key: str | None, tok: Any, max_length: int | None
                          ) -> tuple[list[tuple[int, list[str]]], int]:
     """Bad preference rows (index, reasons) and the count of usable pairs with a side over ``max_length``."""
-    from rlx.datasets import preference_pair
+    from rlx.plugins.tasks.datasets import preference_pair
 
     bad, overlong = [], 0
     for i, row in enumerate(rows):
@@ -137,7 +136,7 @@ def _preference_problems(rows: list[Any], prompt_key: str, chosen_key: str, reje
         if pair is None:
             bad.append((i, problems))
         elif tok is not None and max_length is not None:
-            from rlx.reward_modeling import conversation_ids
+            from rlx.plugins.reward_modeling.trainer import conversation_ids
 
             if max(len(conversation_ids(tok, pair.prompt, side)) for side in (pair.chosen, pair.rejected)) \
                     > max_length:
@@ -167,8 +166,8 @@ def validate(
     Files whose rows have chosen/rejected are checked as preference pairs (a missing or empty side,
     identical replies, a bad prompt or margin); with --tokenizer and --max-length the over-long pairs are
     counted too (not an error: rlx rm train drops them and says how many)."""
-    from rlx.data import column_problems, row_problems
-    from rlx.datasets import is_preference_file, preference_column_problems
+    from rlx.plugins.tasks.datasets import is_preference_file, preference_column_problems
+    from rlx.run.data import column_problems, row_problems
 
     if (tokenizer is None) != (max_length is None):
         raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
@@ -257,15 +256,15 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON.")] = False,
 ) -> None:
     """Show a few rows, the data sources, and the distribution of prompt lengths (tokens with --tokenizer)."""
-    from rlx.data import resolve_path, row_problems
+    from rlx.run.data import resolve_path, row_problems
 
     data = _read(file)
     tok = None
     if tokenizer is not None:
-        from rlx.cli.main import _quiet_libraries
+        from rlx.run.terminal import quiet_libraries as _quiet_libraries
 
         _quiet_libraries()
-        from rlx.models import load_tokenizer
+        from rlx.run.models import load_tokenizer
 
         tok = load_tokenizer(resolve_path(tokenizer), False, key="--tokenizer", require_chat_template=False)
     lengths: list[int] = []

@@ -49,12 +49,14 @@ def eval_command(
 ) -> None:
     """Evaluate a model: accuracy, mean@n, pass@k and majority@n per data source, as a table and as JSON.
     With --reward-model: a reward model's pairwise accuracy on held-out preference pairs."""
-    from rlx.cli.main import _pm, _quiet_libraries
     from rlx.config import build_raw, set_dotted
+    from rlx.registry import get_plugin_manager as _pm
+    from rlx.run.data import is_resource
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
     from rlx.validate import resolve
 
     for ref in data:
-        if not ref.startswith("builtin:") and not Path(os.path.expanduser(ref)).is_file():
+        if not is_resource(ref) and not Path(os.path.expanduser(ref)).is_file():
             raise UserError(f"--data {ref}: no such file.")
     for flag, target in (("--output", output), ("--samples", samples)):
         if target:
@@ -120,11 +122,11 @@ def check_output_file(target: str, flag: str) -> None:
 def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) -> tuple[dict[str, Any], list[Any]]:
     """Generate and score the validation files of a resolved config; the results and every record."""
     from rlx.context import BuildContext
-    from rlx.data import load_prompts, resolve_path
-    from rlx.evaluation import default_ks, evaluate, summarize
-    from rlx.models import check_model_folder, load_tokenizer
     from rlx.protocols import RunInfo, SamplingParams
-    from rlx.workers import RewardWorker
+    from rlx.run.data import load_prompts, resolve_path
+    from rlx.run.evaluation import default_ks, evaluate, summarize
+    from rlx.run.models import check_model_folder, load_tokenizer
+    from rlx.run.reward_worker import RewardWorker
 
     cfg = resolved.config
     m = cfg.model
@@ -188,10 +190,10 @@ def eval_reward_model(path: str, data: list[str], *, as_json: bool, output: str 
     the pair columns (data.chosen_key=..., data.margin_key=...), as for `rlx rm train`."""
     from pydantic import ValidationError
 
-    from rlx.cli.main import _quiet_libraries
     from rlx.config import format_validation_error, parse_override
     from rlx.errors import ConfigError
-    from rlx.rm_config import RMDataConfig
+    from rlx.plugins.reward_modeling.config import RMDataConfig
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
 
     given: dict[str, Any] = {}
     for text in overrides:
@@ -205,7 +207,7 @@ def eval_reward_model(path: str, data: list[str], *, as_json: bool, output: str 
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, RMDataConfig, prefix="data")) from None
     _quiet_libraries()
-    from rlx.reward_modeling import evaluate_reward_model
+    from rlx.plugins.reward_modeling.trainer import evaluate_reward_model
 
     result = evaluate_reward_model(path, list(data), data_cfg, batch_size=batch_size)
     if output:

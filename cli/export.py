@@ -26,7 +26,7 @@ ROLES = ("actor", "critic")
 
 def find_checkpoint(source: Path) -> Path:
     """The checkpoint folder ``source`` names: itself, or the newest trustworthy one of a run folder."""
-    from rlx import checkpoint
+    from rlx.run import checkpoint
 
     if not source.exists():
         raise UserError(f"{source} does not exist.", "Give a run folder or one of its checkpoints/global_step_N.")
@@ -61,7 +61,7 @@ MARKER = ".rlx-export"  # in every folder rlx export writes: what --force may re
 def _check_out_path(out: Path) -> None:
     """Refuse an --out that cannot be an export folder: a link, a file, or an occupied folder that is not
     an earlier export (``--force`` replaces only those, checked by the caller)."""
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"--out {printable(out)} exists and is not a folder.", "Choose another --out.")
@@ -70,7 +70,7 @@ def _check_out_path(out: Path) -> None:
 def _check_not_source(out: Path, run_dir: Path, ckpt: Path) -> None:
     """Refuse an --out that is, lies inside or holds the run folder or the checkpoint: replacing it would
     destroy what is being exported."""
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     there = out.resolve()
     for what, folder in (("the run folder", run_dir), ("the checkpoint", ckpt)):
@@ -86,9 +86,9 @@ def _check_not_source(out: Path, run_dir: Path, ckpt: Path) -> None:
 def _check_model_folders(cfg: Any, role: str, ckpt: Path) -> None:
     """A local model folder the run's config names must still be there: the export builds the model from it
     before loading the checkpoint's weights into it."""
-    from rlx.data import resolve_path
-    from rlx.models import is_local
-    from rlx.run_files import printable
+    from rlx.run.data import resolve_path
+    from rlx.run.files import printable
+    from rlx.run.models import is_local
 
     refs = [("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)]
     if role == "critic":
@@ -107,8 +107,8 @@ def _check_model_folders(cfg: Any, role: str, ckpt: Path) -> None:
 def _prepare_out(out: Path) -> Path:
     """Create --out's missing parent folders and the temporary folder the export is written into; a
     :class:`UserError` saying why when --out cannot be written (no permission, a read-only place, /proc)."""
-    from rlx import checkpoint
-    from rlx.run_files import printable
+    from rlx.run import checkpoint
+    from rlx.run.files import printable
 
     tmp = out.with_name(f".tmp-{out.name}")
     try:
@@ -142,8 +142,8 @@ def export_command(
     """Write a checkpoint's model as a Hugging Face folder (safetensors, config, generation config, tokenizer)
     that from_pretrained loads. A LoRA run's model is written merged (base + adapter), or with
     --adapter-only as the adapter alone."""
-    from rlx import checkpoint
-    from rlx.run_files import check_run_folder_links, printable, refuse_code
+    from rlx.run import checkpoint
+    from rlx.run.files import check_run_folder_links, printable, refuse_code
 
     if role not in ROLES:
         raise UserError(f"--role {printable(role)!r}: must be one of {', '.join(ROLES)}.")
@@ -167,7 +167,8 @@ def export_command(
                         "Export --role actor.")
     check_run_folder_links(run_dir)
 
-    from rlx.cli.main import _pm, _quiet_libraries
+    from rlx.registry import get_plugin_manager as _pm
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
     from rlx.validate import load_config
 
     _quiet_libraries()
@@ -192,9 +193,9 @@ def export_command(
 
     from rlx.components import resolve
     from rlx.context import BuildContext
-    from rlx.data import resolve_path
-    from rlx.models import load_tokenizer
     from rlx.protocols import RoleSpec, RunInfo
+    from rlx.run.data import resolve_path
+    from rlx.run.models import load_tokenizer
 
     model_path = resolve_path(cfg.critic.model_path if role == "critic" and cfg.critic.model_path else cfg.model.path)
     spec = RoleSpec(role=role, model_path=model_path, trainable=False, dtype="float32",

@@ -20,8 +20,6 @@ from rlx.cli import data as data_cli
 from rlx.cli import eval as eval_cli
 from rlx.cli import export as export_cli
 from rlx.cli import plot as plot_cli
-from rlx.cli import replay as replay_cli
-from rlx.cli import rm as rm_cli
 from rlx.cli import scaffold
 from rlx.errors import ConfigError, UserError
 
@@ -32,11 +30,9 @@ config_app = typer.Typer(help="Show or check the resolved configuration.", no_ar
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 app.add_typer(data_cli.app, name="data")
-app.add_typer(rm_cli.app, name="rm")
 app.command("eval")(eval_cli.eval_command)
 app.command("export")(export_cli.export_command)
 app.command("plot")(plot_cli.plot_command)
-app.command("replay")(replay_cli.replay_command)
 plugins_app.command("new")(scaffold.new_plugin)
 
 EXIT_USER_ERROR = 2
@@ -65,6 +61,12 @@ def _pm():
     from rlx.registry import get_plugin_manager
 
     return get_plugin_manager()
+
+
+def _quiet_libraries() -> None:
+    from rlx.run.terminal import quiet_libraries
+
+    quiet_libraries()
 
 
 # -- plugins -----------------------------------------------------------------------------------
@@ -383,7 +385,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _report_interrupt(trainer: Any, stop: KeyboardInterrupt) -> None:
     """What an interrupted run did, the checkpoint it would resume from and the command that does."""
-    from rlx import checkpoint
+    from rlx.run import checkpoint
 
     how = "by SIGTERM" if isinstance(stop, Terminated) else "(Ctrl-C)"
     typer.echo(f"Training interrupted {how} at step {trainer.steps_done}/{trainer.total_steps}.", err=True)
@@ -410,29 +412,6 @@ def _command_line(resume: bool) -> str:
     head = ["rlx"] if program == "rlx" else ["python", "-m", "rlx"] if program == "__main__.py" else [sys.argv[0]]
     args = [a for a in sys.argv[1:] if a != "--resume" and not a.startswith("trainer.resume=")]
     return shlex.join(head + args + (["--resume"] if resume else []))
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    import rlx
-
-    # rlx's own warnings as one line each ("Warning: ..."), not Python's file:line and source-line pair;
-    # a library's warnings keep Python's format.
-    own = os.path.dirname(os.path.abspath(rlx.__file__)) + os.sep
-    show = warnings.showwarning
-
-    def one_line(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if not os.path.abspath(filename).startswith(own):
-            return show(message, category, filename, lineno, file, line)
-        print(f"Warning: {message}", file=file or sys.stderr)
-
-    warnings.showwarning = one_line
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def run(args: list[str] | None = None) -> None:
@@ -502,7 +481,7 @@ def _fail(exc: UserError) -> None:
 
 
 def _terminal_safe(text: str) -> str:
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     return "\n".join("\t".join(printable(part) for part in line.split("\t")) for line in text.split("\n"))
 

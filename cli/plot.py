@@ -32,7 +32,7 @@ MAX_STEP = 2**53  # steps a float (a plot axis) holds exactly
 
 
 def _metrics_file(run: str) -> Path:
-    from rlx.datasets import os_error_text
+    from rlx.run.data import os_error_text
 
     path = Path(run).expanduser()
     try:
@@ -77,7 +77,7 @@ def read_series(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int, in
     large for a float) are not drawn and are counted. A last line without its newline is the one a
     running job is writing, left out without a count.
     """
-    from rlx.datasets import os_error_text
+    from rlx.run.data import os_error_text
 
     try:
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -156,7 +156,7 @@ def test_registered_under_its_name():
 
 def test_runs_under_the_reward_worker_contract():
     """rlx runs every reward through a runner that checks one finite score per response."""
-    from rlx.reward_runner import RewardRunner
+    from rlx.run.rewards import RewardRunner
 
     runner = RewardRunner(plugin.build(None, None), "{name}")
     out = runner.run(batch(["a", "b", "c"], ["a", "x", "c"]))

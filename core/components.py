@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-ComponentKind = Literal["backend", "rollout", "algorithm", "reward", "logger", "launcher", "advantage"]
+ComponentKind = Literal["backend", "rollout", "algorithm", "reward", "logger", "launcher", "advantage", "resource"]
 KINDS: tuple[str, ...] = get_args(ComponentKind)
 
 

@@ -294,7 +294,7 @@ class AlgorithmConfig(ComponentSection):
 
 class RewardConfig(ComponentSection):
     name: str = Field("gsm8k", description="Reward plugin.")
-    # How the reward plugin is run (rlx.reward_runner); the plugin's own options are the other keys.
+    # How the reward plugin is run (rlx.run.rewards); the plugin's own options are the other keys.
     on_error: Literal["fail", "zero"] = Field(
         "fail", description="A reward call that raises, hangs, returns NaN or the wrong number of scores: "
         "'fail' stops the run with a message naming the plugin and the response; 'zero' gives those "
@@ -640,11 +640,13 @@ def build_raw(
     overrides: list[str] | None = None,
     preset_family: str = "train",
     pm: Any = None,
+    schema: type[BaseModel] | None = None,
 ) -> dict[str, Any]:
     """Merge every source into one plain dict (not yet validated).
 
     ``config_file`` may be several files: they are merged in order, a later file's keys over an earlier's.
-    ``preset_family`` is the command whose presets ``preset`` names (``train`` or ``rm``).
+    ``preset_family`` is the command whose presets ``preset`` names (``train`` or ``rm``); ``schema`` the config
+    model the result is for (:class:`RLXConfig` unless given; ``rlx rm`` gives its own).
 
     An override's value is read as YAML (numbers, lists, true), except where the option it sets holds text
     (:func:`override_takes_text`; ``pm`` finds the plugins' options): there a value YAML would read as a
@@ -673,7 +675,7 @@ def build_raw(
         set_dotted(raw, key, value)
         applied.append((key, text.partition("=")[2].strip(), value))
     # Once every source is in (the plugin a section names may come last), text options get their text.
-    schema = _schema_of(preset_family)
+    schema = schema or RLXConfig
     for key, text, value in applied:
         if (_read_as_other_than_text(value) and get_dotted(raw, key) is value
                 and override_takes_text(schema, raw, key, pm)):
@@ -681,14 +683,6 @@ def build_raw(
     if problems:
         raise ConfigError(problems)
     return raw
-
-
-def _schema_of(preset_family: str) -> type[BaseModel]:
-    if preset_family == "rm":
-        from rlx.rm_config import RMConfig
-
-        return RMConfig
-    return RLXConfig
 
 
 def get_dotted(tree: dict[str, Any], key: str) -> Any:

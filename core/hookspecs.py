@@ -96,6 +96,17 @@ def rlx_launchers() -> Iterable[Component]:
 
 
 @hookspec
+def rlx_resources() -> Iterable[Component]:
+    """Return the resource schemes this plugin provides (``kind="resource"``).
+
+    A resource is a reference such as ``builtin:arith-train`` that a config may give wherever it names a file
+    or a model folder. The component's ``name`` is the scheme (the part before ``:``) and its ``factory`` is
+    ``resolve(ref) -> str``: the local path the reference stands for, written first if needed. It is how the
+    tasks plugin provides the tiny built-in model and data without core knowing about them.
+    """
+
+
+@hookspec
 def rlx_cli_commands(app: typer.Typer) -> None:
     """Add commands to the ``rlx`` command-line app.
 
@@ -105,8 +116,10 @@ def rlx_cli_commands(app: typer.Typer) -> None:
 
 
 @hookspec
-def rlx_on_train_start(config: Mapping[str, Any], output_dir: str) -> None:
-    """Called once before the first training step, with the resolved config as a plain dict."""
+def rlx_on_train_start(config: Mapping[str, Any], output_dir: str, plugins: Any, resumed: bool) -> None:
+    """Called once before the first training step, with the resolved config as a plain dict, the run's
+    :class:`rlx.registry.PluginManager` (``plugins``) and whether the run resumes from a checkpoint.
+    An implementation may take any subset of these arguments (pluggy passes the ones it names)."""
 
 
 @hookspec
@@ -136,4 +149,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "rlx_rewards": "reward",
     "rlx_loggers": "logger",
     "rlx_launchers": "launcher",
+    "rlx_resources": "resource",
 }

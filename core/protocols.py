@@ -49,7 +49,8 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (full, unsharded tensors named as in the HF model).
 
-        The launcher passes a generator that produces the tensors bucket by bucket (``rlx.weight_sync``),
+        The launcher passes a generator that produces the tensors bucket by bucket
+        (``rlx.plugins.launchers.weight_sync``),
         on the actor's device or, from another process, as views of a received buffer: load each one as it
         comes (copy it into the engine's own weights) rather than collecting them, so the model is never
         held twice. Called while the engine is awake.
@@ -241,7 +242,7 @@ class RewardBatch:
 class RewardOutput:
     """Scores, one per response, optional per-response extra values logged as metrics, and optionally the
     final answer the reward scored in each response (a str, or None where it found none), which majority
-    voting in evaluation uses (see rlx.evaluation)."""
+    voting in evaluation uses (see rlx.run.evaluation)."""
 
     scores: list[float]
     extra: dict[str, list[float]] = field(default_factory=dict)

@@ -26,18 +26,18 @@ from typing import Any
 import torch
 import yaml
 
-from rlx import checkpoint
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
-from rlx.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.errors import ConfigError, UserError, describe_exception
-from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
-from rlx.models import check_model_folder, load_tokenizer
 from rlx.protocols import RoleSpec, RunInfo, SamplingParams
 from rlx.registry import PluginManager, call_factory, describe_component
-from rlx.run_files import check_run_folder_links, is_private, make_tree_private, write_private
+from rlx.run import checkpoint
+from rlx.run.data import PromptLoader, collate, load_prompts, resolve_path
+from rlx.run.files import check_run_folder_links, is_private, make_tree_private, write_private
+from rlx.run.metrics import FlopsCounter, mfu_metrics, peak_tflops
+from rlx.run.models import check_model_folder, load_tokenizer
+from rlx.run.reward_worker import RewardWorker
 from rlx.validate import Resolved
-from rlx.workers import RewardWorker
 
 
 class Timer:
@@ -57,7 +57,7 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
 
     The driver only cuts the mini-batches (shuffled per epoch with ``seed``); they travel to the role's
     workers in one call, each data-parallel rank receiving its rows of every mini-batch, and the update
-    loop runs there (``rlx.training.run_update``). Metrics are collected in ``metrics`` under ``prefix/``
+    loop runs there (``rlx.step.run_update``). Metrics are collected in ``metrics`` under ``prefix/``
     (keys that already name a section keep theirs), one value per optimizer step.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -216,10 +216,9 @@ class Trainer:
             if self.resume_from is None or not (self.run_dir / "config.yaml").is_file():
                 # A run's record is written once, by the run that made it; a resume leaves it as it is.
                 write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
-                from rlx import provenance  # versions, plugins, data and model hashes: what `rlx replay` checks
-
-                provenance.write(self.run_dir, provenance.collect(self.config_dict, self.pm))
-            self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir))
+            # The provenance plugin writes provenance.json here (versions, plugins, data and model hashes).
+            self.pm.call_lifecycle("rlx_on_train_start", config=self.config_dict, output_dir=str(self.run_dir),
+                                   plugins=self.pm, resumed=self.resume_from is not None)
             # trainer.test_freq -1 or 0 turns validation off, the one before training included.
             if self.val_set is not None and cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 \
                     and self.step == 0:
@@ -447,7 +446,7 @@ class Trainer:
 
     def _perf_metrics(self, lengths: list[int], times: dict[str, float], seconds: float) -> dict[str, float]:
         """Tokens per second per device, each stage's share of the step and, on a known GPU, the model FLOPs
-        utilisation of the actor's passes (``rlx.flops``)."""
+        utilisation of the actor's passes (``rlx.run.metrics``)."""
         devices = max(getattr(self.actor, "world_size", 1), 1)
         m = {"perf/throughput": sum(lengths) / max(seconds, 1e-9) / devices}
         for key, t in times.items():
@@ -515,8 +514,8 @@ class Trainer:
                                 top_k=cfg.rollout.top_k if cfg.rollout.val_top_k is None else cfg.rollout.val_top_k,
                                 max_tokens=cfg.data.max_response_length,
                                 greedy=cfg.rollout.val_temperature == 0)
-        # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.evaluation).
-        from rlx.evaluation import evaluate, flatten, summarize
+        # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.run.evaluation).
+        from rlx.run.evaluation import evaluate, flatten, summarize
 
         phase = self._wake_rollout()  # after a step without an update the engine still sleeps
         records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),

@@ -202,7 +202,7 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     need are installed; ``check_run_dir`` that the run folder can be created and written
     (:func:`output_dir_problems`), for commands that train.
     """
-    from rlx.data import check_files as file_problems
+    from rlx.run.data import check_files as file_problems
 
     problems: list[str] = []
     cfg: RLXConfig | None
@@ -230,7 +230,7 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
                         "add --preset tiny for the built-in tiny job's model and data (a --config file replaces "
                         "the preset), or run `rlx train` with no arguments.")
     if cfg is not None:
-        problems.extend(training_problems(cfg))
+        problems.extend(training_problems(cfg, pm))
     if check_run_dir and cfg is not None:
         problems.extend(output_dir_problems(cfg))
     if check_files:
@@ -246,32 +246,18 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     return Resolved(cfg, options)
 
 
-def training_problems(cfg: RLXConfig) -> list[str]:
-    """LoRA, compilation and the trained weights' dtype: what the environment and the chosen backend must
-    offer."""
-    from rlx.lora import INSTALL_HINT, peft_missing
+def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
+    """What the environment and the chosen backend must offer for this config: the backend's own checks (its
+    component's ``extra["config_problems"]``, a function of the config: LoRA, compilation, sequence parallelism)
+    and the attention implementation's."""
+    from rlx.components import resolve as resolve_ref
+    from rlx.registry import get_plugin_manager
 
-    problems = []
-    backend = cfg.backend.name
-    if cfg.model.lora_rank > 0:
-        if peft_missing():
-            problems.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA needs the peft package, which is not "
-                            f"installed. {INSTALL_HINT}")
-        if backend == "fsdp":
-            from rlx.plugins.backends.fsdp import LORA_FSDP1
-
-            problems.append(f"model.lora_rank={cfg.model.lora_rank}: {LORA_FSDP1} Use backend.name=fsdp2 (or "
-                            "torch), or model.lora_rank=0.")
-    if backend == "fsdp":
-        from rlx.plugins.backends.fsdp import COMPILE_FSDP1
-
-        for section in ("actor", "critic"):
-            if getattr(cfg, section).use_torch_compile:
-                problems.append(f"{section}.{COMPILE_FSDP1} Use backend.name=fsdp2 (or torch), or "
-                                f"{section}.use_torch_compile=false.")
-    from rlx.plugins.backends.ulysses import config_problems as ulysses_problems
-
-    problems.extend(ulysses_problems(cfg))
+    problems: list[str] = []
+    component = (pm or get_plugin_manager()).components().get(("backend", cfg.backend.name))
+    check = component.extra.get("config_problems") if component is not None else None
+    if check is not None:
+        problems.extend(resolve_ref(check)(cfg))
     problems.extend(attention_problems(cfg.backend.options(), cfg.trainer.device))
     return problems
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import transformers
 
 from rlx.config import build_raw, set_dotted
+from rlx.plugins.reward_modeling.config import load_rm_config
+from rlx.plugins.reward_modeling.trainer import train_reward_model
 from rlx.registry import get_plugin_manager
-from rlx.reward_modeling import train_reward_model
-from rlx.rm_config import load_rm_config
 from rlx.trainer import Trainer
 from rlx.validate import resolve
 

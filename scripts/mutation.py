@@ -54,7 +54,7 @@ MODULES: dict[str, Module] = {
                          ("tests/test_functional.py", "tests/test_loss_accumulation.py", "tests/test_algorithms.py")),
     "estimators": Module("plugins/algorithms/estimators.py",
                          ("tests/test_estimator_wiring.py", "tests/test_functional.py", "tests/test_algorithms.py")),
-    "checkpoint": Module("core/checkpoint.py", (
+    "checkpoint": Module("core/run/checkpoint.py", (
         "tests/test_checkpoint_completeness.py",
         "tests/test_trainer.py::test_checkpoint_write_failure_leaves_no_partial_checkpoint",
         # the in-process tests of test_checkpoint_safety.py (the others run `rlx train` in a subprocess,
@@ -65,7 +65,7 @@ MODULES: dict[str, Module] = {
         "tests/test_checkpoint_safety.py::test_torch_load_refuses_a_pickle_and_runs_nothing")),
     "jsonl": Module("plugins/loggers/jsonl.py", ("tests/test_loggers.py", "tests/test_logger_contract.py")),
     "console": Module("plugins/loggers/console.py", ("tests/test_loggers.py", "tests/test_logger_contract.py")),
-    "reward_runner": Module("core/reward_runner.py", ("tests/test_reward_runner_checks.py",
+    "reward_runner": Module("core/run/rewards.py", ("tests/test_reward_runner_checks.py",
                                                       "tests/test_reward_robustness.py", "-m", "not slow")),
     "trainer": Module("core/trainer.py", ("tests/test_wiring.py", "tests/test_trainer_surface.py",
                                           "tests/test_checkpoint_completeness.py",

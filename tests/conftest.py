@@ -19,7 +19,7 @@ def rlx_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_path(rlx_cache: str) -> str:
     """The built-in tiny Qwen2 model folder (written once per session)."""
-    from rlx import builtin
+    from rlx.plugins.tasks import builtin
 
     return builtin.resolve("builtin:tiny-qwen2")
 

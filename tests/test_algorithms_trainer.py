@@ -156,7 +156,7 @@ def test_remax_greedy_baseline(tmp_path):
     assert t.greedy_sampling.greedy and t.greedy_sampling.n == 1
     examples = t._next_examples()
     batch = t._generate_scored(examples, Timer())
-    from rlx.data import collate
+    from rlx.run.data import collate
 
     greedy = t.rollout.call("generate", collate(examples, t.tokenizer.pad_token_id), t.greedy_sampling)
     want = t.reward.call("score", greedy)["scores"]

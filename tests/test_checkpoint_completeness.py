@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rlx import checkpoint
 from rlx.errors import UserError
 from rlx.registry import PluginManager
+from rlx.run import checkpoint
 from rlx.trainer import Trainer
 from rlx.validate import load_config
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rlx import checkpoint
 from rlx.errors import UserError
 from rlx.plugins.loggers.jsonl import read_metrics
+from rlx.run import checkpoint
 
 TINY = ["--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false"]
 

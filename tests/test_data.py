@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlx.data import (
+from rlx.errors import UserError
+from rlx.run.data import (
     PromptDataset,
     PromptExample,
     PromptLoader,
@@ -18,7 +19,6 @@ from rlx.data import (
     read_rows,
     validate_rows,
 )
-from rlx.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlx.cli.main import run
-from rlx.data import read_rows, row_problems
-from rlx.datasets import GSM8K_INSTRUCTION, MATH_INSTRUCTION, gsm8k_answer, split_of
+from rlx.plugins.tasks.datasets import GSM8K_INSTRUCTION, MATH_INSTRUCTION, gsm8k_answer, split_of
+from rlx.run.data import read_rows, row_problems
 
 GSM8K_TRAIN = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -269,7 +269,7 @@ def test_inspect_shows_rows_sources_and_token_lengths(tmp_path, capsys):
     stats = json.loads(out)
     from transformers import AutoTokenizer
 
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("builtin:tiny-qwen2"))
     lengths = sorted(len(tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),

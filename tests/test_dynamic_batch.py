@@ -28,7 +28,7 @@ from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
 from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
-from rlx.training import _token_bins, balance_for_ranks, role_settings, row_tokens
+from rlx.step import _token_bins, balance_for_ranks, role_settings, row_tokens
 
 BUDGET = 25  # tokens per micro-batch: the test batch's rows hold 7 to 14 tokens, 84 in all
 WORLD = 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx.evaluation import (
+from rlx.run.evaluation import (
     SampleRecord,
     correctness,
     default_ks,
@@ -141,7 +141,7 @@ def scored_by(reward: str, responses: list[str], truth: str, source: str):
 
     from rlx.batch import Batch
     from rlx.registry import get_plugin_manager
-    from rlx.workers import RewardWorker
+    from rlx.run.reward_worker import RewardWorker
 
     tok = byte_tokenizer()
     ids = [tok(r, add_special_tokens=False)["input_ids"] for r in responses]
@@ -183,7 +183,7 @@ def test_composite_and_custom_rewards_report_the_answers_they_scored(tmp_path):
     from rlx.plugins.rewards.mix import MixOptions
     from rlx.plugins.rewards.mix import build as build_mix
     from rlx.protocols import RewardBatch
-    from rlx.reward_runner import RewardRunner
+    from rlx.run.rewards import RewardRunner
 
     batch = RewardBatch(["q"] * 3, ["#### 1,200", "\\boxed{7} #### 5", "no answer"], ["1200", "5", "1"],
                         ["gsm8k"] * 3, [{}] * 3)
@@ -227,7 +227,7 @@ def test_eval_prints_a_table_and_writes_json_and_samples(eval_run):
     result = json.loads((tmp / "res.json").read_text())
     assert (result["n"], result["temperature"], result["reward"], result["k"]) == (4, 1.0, "router", [1, 2, 4])
     m = result["metrics"]["rlx/arith"]
-    from rlx.data import read_rows
+    from rlx.run.data import read_rows
 
     prompts = len(read_rows(["builtin:arith-test"]))
     assert prompts > 0 and (m["prompts"], m["samples"]) == (prompts, 4 * prompts)

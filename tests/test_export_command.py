@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx import checkpoint
+from rlx.run import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -1,10 +1,10 @@
-"""Model FLOPs and MFU (``rlx.flops``) against hand-computed values."""
+"""Model FLOPs and MFU (``rlx.run.metrics``) against hand-computed values."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlx.flops import FlopsCounter, mfu_metrics, peak_tflops
+from rlx.run.metrics import FlopsCounter, mfu_metrics, peak_tflops
 
 # hidden 4, one layer, vocabulary 10, 2 query heads and 1 key/value head of width 2, MLP width 8
 CONFIG = {"hidden_size": 4, "num_hidden_layers": 1, "vocab_size": 10, "num_attention_heads": 2, "head_dim": 2,

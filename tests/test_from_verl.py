@@ -110,7 +110,7 @@ SEED = r"""python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo \
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A $HOME with the GSM8K files the command lines name (rows in verl's shape)."""
-    from rlx.builtin import resolve
+    from rlx.plugins.tasks.builtin import resolve
 
     source = resolve("builtin:arith-train")
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -94,7 +94,7 @@ def free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, engine: str, path: str, data: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    from rlx.models import load_tokenizer
+    from rlx.run.models import load_tokenizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from test_hardening_config import assert_user_error
 
-from rlx import builtin
-from rlx.datasets import CHAT_ROLES
+from rlx.plugins.tasks import builtin
+from rlx.plugins.tasks.datasets import CHAT_ROLES
 
 ROLES = ", ".join(CHAT_ROLES)
 

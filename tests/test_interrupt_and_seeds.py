@@ -15,12 +15,12 @@ from types import ModuleType
 
 import pytest
 
-from rlx import checkpoint
 from rlx.context import BuildContext
 from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.plugins.rollout import sglang as sglang_plugin
 from rlx.plugins.rollout import vllm as vllm_plugin
 from rlx.protocols import RunInfo
+from rlx.run import checkpoint
 
 # The default job, made short to start: no validation, no final Hugging Face copy.
 FAST = ["trainer.test_freq=-1", "trainer.save_hf_model=false", "trainer.log_samples=0"]
@@ -98,13 +98,13 @@ def test_sigterm_before_any_checkpoint_says_a_restart_begins_from_scratch(tmp_pa
 # -- one seed per engine of a pool -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ctx(rlx_cache: str) -> BuildContext:
-    from rlx.models import load_tokenizer
     from rlx.registry import get_plugin_manager
+    from rlx.run.models import load_tokenizer
     from rlx.validate import load_config
 
     resolved = load_config(get_plugin_manager(), preset="tiny", overrides=["trainer.seed=7"])
     cfg = resolved.config
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     tokenizer = load_tokenizer(resolve_path(cfg.model.path), False)
     return BuildContext(cfg, RunInfo(str(cfg.run_dir()), "rlx", "t", {}), None, tokenizer)

@@ -25,7 +25,7 @@ from rlx.config import validate
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.training import role_settings
+from rlx.step import role_settings
 
 pytest.importorskip("peft")
 
@@ -92,9 +92,9 @@ def test_reference_is_the_untouched_base(model_path):
 
 
 def test_rollout_engine_gets_merged_weights(model_path):
-    from rlx import weight_sync
-    from rlx.models import load_tokenizer
+    from rlx.plugins.launchers import weight_sync
     from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+    from rlx.run.models import load_tokenizer
 
     actor = make(model_path, lora=lora(8, alpha=32.0))
     train(actor, 3)
@@ -121,7 +121,7 @@ def test_merged_tensors_equal_peft_merge(model_path):
     gathers) equals peft's own merge_and_unload of a copy."""
     import copy
 
-    from rlx.lora import merge_stream, scale_of
+    from rlx.plugins.modeling.lora import merge_stream, scale_of
 
     settings = lora(8, alpha=32.0, target_modules=["q_proj", "down_proj"])
     actor = make(model_path, lora=settings)
@@ -237,8 +237,8 @@ def test_bad_options_are_config_errors(overrides, message):
 
 
 def test_missing_peft_and_fsdp_are_config_errors(monkeypatch):
-    from rlx import lora as lora_module
     from rlx.cli.main import _pm
+    from rlx.plugins.modeling import lora as lora_module
     from rlx.validate import load_config
 
     with pytest.raises(ConfigError) as exc:
@@ -315,7 +315,7 @@ def test_export_merged_and_adapter_only(tmp_path):
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "model.safetensors").exists()
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
 
-    from rlx import builtin
+    from rlx.plugins.tasks import builtin
 
     base_path = builtin.resolve("builtin:tiny-qwen2")
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()

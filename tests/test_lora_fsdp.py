@@ -198,8 +198,8 @@ def test_reference_is_the_base_with_the_adapter_off(ranks: dict[str, Any], refer
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_exactly(ranks: dict[str, Any], reference: dict[str, Any]) -> None:
-    from rlx.lora import is_adapter
     from rlx.plugins.backends.fsdp import safe_dcp_reader
+    from rlx.plugins.modeling.lora import is_adapter
 
     for r, res in enumerate(ranks["ranks"]):
         assert_metrics(res["extra_metrics"], reference["extra_metrics"], f"uninterrupted, rank {r}")

@@ -12,7 +12,7 @@ from rlx.config import validate
 from rlx.errors import ConfigError
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.training import role_settings
+from rlx.step import role_settings
 
 
 @pytest.fixture

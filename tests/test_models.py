@@ -1,4 +1,4 @@
-"""Model folders that cannot be loaded are named precisely (`rlx.models`), before any heavy load."""
+"""Model folders that cannot be loaded are named precisely (`rlx.run.models`), before any heavy load."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 from rlx.errors import UserError
-from rlx.models import check_model_folder, is_local, load_tokenizer
+from rlx.run.models import check_model_folder, is_local, load_tokenizer
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

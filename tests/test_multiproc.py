@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlx import checkpoint
 from rlx.plugins.loggers.jsonl import read_metrics
+from rlx.run import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -61,7 +61,7 @@ SAME_UPDATE = textwrap.dedent('''
     import torch
     sys.path.insert(0, {tests!r})
     from test_backend_torch import make_batch, grpo_loss
-    from rlx import builtin
+    from rlx.plugins.tasks import builtin
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.context import BuildContext

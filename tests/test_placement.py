@@ -38,7 +38,7 @@ POOL_RUN = textwrap.dedent('''
     from rlx.registry import get_plugin_manager
     from rlx.trainer import Trainer
     from rlx.validate import load_config
-    from rlx.weight_sync import bucket_bytes, buckets
+    from rlx.plugins.launchers.weight_sync import bucket_bytes, buckets
 
     class Checked(Trainer):
         """After every step: the rollout pool's engine holds exactly the actor's weights."""
@@ -274,7 +274,7 @@ def test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_orde
     greedy's bound: a rank takes a row only while it is the lightest with room), and the results come back
     bit for bit in the original order."""
     from rlx.plugins.launchers.local import balance, gather, shard, unbalance
-    from rlx.training import row_tokens
+    from rlx.step import row_tokens
 
     for seed in range(8):
         batch = ragged(9 + 7 * seed, seed)
@@ -316,13 +316,13 @@ BALANCED_UPDATE = textwrap.dedent('''
     import torch
     sys.path.insert(0, {tests!r})
     from test_backend_torch import make_batch, grpo_loss
-    from rlx import builtin
+    from rlx.plugins.tasks import builtin
     from rlx.context import BuildContext
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.protocols import RoleSpec, RunInfo
     from rlx.trainer import ppo_update
-    from rlx.training import row_tokens
+    from rlx.step import row_tokens
 
     def main(nproc, out):
         launcher = build(LocalOptions(nproc=nproc), BuildContext(None, RunInfo(out, "p", "e", {{}})))

@@ -14,8 +14,8 @@ import sys
 import pytest
 import yaml
 
-from rlx import provenance
-from rlx.cli.replay import compare_metrics
+from rlx.plugins.provenance import record as provenance
+from rlx.plugins.provenance.command import compare_metrics
 from rlx.registry import get_plugin_manager
 
 
@@ -56,7 +56,7 @@ def test_large_files_are_hashed_from_their_size_and_spread_blocks(tmp_path, monk
 
 def make_run(tmp_path, **changes) -> tuple[dict, object]:
     """A run folder of the built-in job whose data files are copies in tmp_path (so a test can change them)."""
-    from rlx.builtin import resolve
+    from rlx.plugins.tasks.builtin import resolve
     from rlx.validate import load_config
 
     for name in ("arith-train", "arith-test"):
@@ -147,7 +147,7 @@ def test_compare_metrics_leaves_out_timings_and_names_each_difference():
 
 @pytest.mark.slow
 def test_replay_of_the_built_in_job_reproduces_its_metrics_and_refuses_after_a_data_change(tmp_path):
-    from rlx.builtin import resolve
+    from rlx.plugins.tasks.builtin import resolve
 
     for name in ("arith-train", "arith-test"):
         shutil.copy(resolve(f"builtin:{name}"), tmp_path / f"{name}.parquet")

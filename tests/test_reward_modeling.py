@@ -16,15 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlx import builtin
-from rlx.datasets import preference_pair
-from rlx.reward_modeling import (
+from rlx.plugins.reward_modeling.trainer import (
     RewardModelWorker,
     TokenPair,
     conversation_ids,
     pair_sums,
     pairwise_loss,
 )
+from rlx.plugins.tasks import builtin
+from rlx.plugins.tasks.datasets import preference_pair
 
 # `rlx rm` is registered in cli/main.py by the lead; until then (and after) this runs it the same way.
 # The built-in run's pairwise validation accuracy at its last step (preset rm_tiny, 300 steps) was

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from rlx.batch import Batch
-from rlx.builtin import build_tokenizer
 from rlx.config import RewardConfig
 from rlx.plugins.loggers.jsonl import read_metrics
+from rlx.plugins.tasks.builtin import build_tokenizer
 from rlx.protocols import RewardBatch, RewardOutput
-from rlx.reward_runner import FAILURE_KINDS, RewardError, RewardPolicy, RewardRunner
-from rlx.workers import RewardWorker
+from rlx.run.reward_worker import RewardWorker
+from rlx.run.rewards import FAILURE_KINDS, RewardError, RewardPolicy, RewardRunner
 
 RELEASE = threading.Event()  # lets hung reward threads finish when the module's tests are done
 
@@ -309,7 +309,7 @@ def test_process_executor_never_unpickles_what_the_child_sends():
 def test_garbage_from_the_worker_process_is_a_failed_call():
     import pickle
 
-    from rlx.reward_runner import decode_outcome
+    from rlx.run.rewards import decode_outcome
 
     good = b'{"ok": true, "scores": [1.0, null], "invalid": [[1, "returned the score nan"]], "extra": {"x": [1, 2]}, ' \
            b'"answers": ["7", null]}'
@@ -337,7 +337,7 @@ def test_garbage_from_the_worker_process_is_a_failed_call():
 
 
 def test_a_result_over_the_size_limit_is_a_failed_call(monkeypatch):
-    import rlx.reward_runner as rr
+    import rlx.run.rewards as rr
 
     monkeypatch.setattr(rr, "RESULT_BYTES_BASE", 1000)
     monkeypatch.setattr(rr, "RESULT_BYTES_PER_RESPONSE", 100)

@@ -1,6 +1,6 @@
 """What the reward runner accepts from a reward function and how it labels what it refuses, checked
 call by call (``_check_value`` / ``_call_checked``) and through the process executor's wire format.
-(Gaps found by scripts/mutation.py in core/reward_runner.py.)"""
+(Gaps found by scripts/mutation.py in core/run/rewards.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlx import reward_runner as rr
 from rlx.protocols import RewardBatch, RewardOutput
+from rlx.run import rewards as rr
 
 
 def batch(n: int) -> RewardBatch:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.builtin import build_tokenizer, resolve
 from rlx.errors import UserError
 from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.plugins.rewards.reward_model import PromptUnwrapper, RewardModelOptions, RewardModelScorer
+from rlx.plugins.tasks.builtin import build_tokenizer, resolve
 from rlx.protocols import RewardBatch
 
 RM_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")

@@ -1,4 +1,4 @@
-"""The rollout-engine contract (``rlx.testing``) run against the ``hf`` engine."""
+"""The rollout-engine contract (``rlx.plugins.testing``) run against the ``hf`` engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
-from rlx.testing import RolloutEngineContract
+from rlx.plugins.testing import RolloutEngineContract
 
 
 @pytest.fixture(autouse=True)

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.data import PromptExample, collate
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.protocols import SamplingParams
 from rlx.registry import PluginManager
+from rlx.run.data import PromptExample, collate
 from rlx.trainer import Trainer
 from rlx.validate import load_config
 

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.data import PromptExample, collate
 from rlx.plugins.backends.torch_local import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.protocols import SamplingParams
+from rlx.run.data import PromptExample, collate
 
 TEXTS = ["What is 3+4?", "hi", "What is the sum 1+2+3+4+5, then minus 6?"]
 

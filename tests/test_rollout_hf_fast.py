@@ -9,13 +9,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.data import PromptExample, collate
 from rlx.plugins.backends.torch_local import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.plugins.rollout.hf_sampling import Sampler
 from rlx.plugins.rollout.hf_static import decode_attention
+from rlx.plugins.testing import (
+    RolloutEngineContract,
+    check_first_token_distribution,
+    check_stops_and_length,
+    next_token_logits,
+)
 from rlx.protocols import SamplingParams
-from rlx.testing import RolloutEngineContract, check_first_token_distribution, check_stops_and_length, next_token_logits
+from rlx.run.data import PromptExample, collate
 
 
 @pytest.fixture(autouse=True)

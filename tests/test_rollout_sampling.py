@@ -1,5 +1,5 @@
 """Every sampling option of the ``hf`` rollout engine against the distribution it must produce
-(the checks are the engine contract's, ``rlx.testing``).
+(the checks are the engine contract's, ``rlx.plugins.testing``).
 
 The policy is the built-in tiny model's architecture with larger random weights, so that its
 next-token distributions are far from uniform and differ between prompts; its exact next-token
@@ -16,10 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.data import PromptExample, collate
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
-from rlx.protocols import SamplingParams
-from rlx.testing import (
+from rlx.plugins.testing import (
     assert_distinguishable,
     check_first_token_distribution,
     check_greedy,
@@ -29,6 +27,8 @@ from rlx.testing import (
     pick_top_p,
     processed_distribution,
 )
+from rlx.protocols import SamplingParams
+from rlx.run.data import PromptExample, collate
 
 SAMPLES = 4000  # per prompt: the 5-sigma bound is then at most 0.04 and typically 0.02
 
@@ -93,7 +93,7 @@ CASES = {
 
 
 def resolve(case: str, logits: torch.Tensor) -> SamplingParams:
-    """The case's parameters with top_p moved to a clean, telling value (``rlx.testing.pick_top_p``)."""
+    """The case's parameters with top_p moved to a clean, telling value (``rlx.plugins.testing.pick_top_p``)."""
     return pick_top_p(logits, CASES[case])
 
 

@@ -1,4 +1,5 @@
-"""The ``sglang`` rollout engine: the engine contract (``rlx.testing``) wherever sglang imports (engine mode) or a
+"""The ``sglang`` rollout engine: the engine contract (``rlx.plugins.testing``) wherever sglang imports (engine mode)
+or a
 server is given (``RLX_SGLANG_SERVER_URL``: a server started on a model of the built-in tiny Qwen2's
 architecture, e.g. ``python -m sglang.launch_server --model-path MODEL --enable-deterministic-inference``), and
 the messages a user sees without sglang or without a reachable server."""
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rlx.testing import RolloutEngineContract
+from rlx.plugins.testing import RolloutEngineContract
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 SERVER_URL = os.environ.get("RLX_SGLANG_SERVER_URL")

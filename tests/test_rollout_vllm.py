@@ -1,4 +1,4 @@
-"""The ``vllm`` rollout engine: the engine contract (``rlx.testing``) on vLLM's CPU build, and its config
+"""The ``vllm`` rollout engine: the engine contract (``rlx.plugins.testing``) on vLLM's CPU build, and its config
 errors. Tests marked ``vllm`` skip without vllm; the missing-package message is checked where it is missing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rlx.testing import RolloutEngineContract
+from rlx.plugins.testing import RolloutEngineContract
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -23,7 +23,7 @@ from rlx.plugins.loggers import mlflow as mlflow_mod
 from rlx.plugins.loggers import swanlab as swanlab_mod
 from rlx.plugins.loggers import tensorboard as tensorboard_mod
 from rlx.plugins.loggers import wandb as wandb_mod
-from rlx.run_files import check_run_folder_links, code_requests, open_append_nofollow, printable, write_private
+from rlx.run.files import check_run_folder_links, code_requests, open_append_nofollow, printable, write_private
 
 TINY = ["--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false",
         "trainer.total_steps=1", "trainer.save_freq=1", "data.train_batch_size=16"]
@@ -318,7 +318,7 @@ def test_damaged_files_are_named_before_anything_trains(run: Path, tmp_path: Pat
 
 
 def test_replay_brings_logger_places_back_into_its_own_folder(capsys) -> None:
-    from rlx.cli.replay import _logger_places
+    from rlx.plugins.provenance.command import _logger_places
 
     config = {"loggers": {"tensorboard": {"logdir": "/home/someone/tb"}, "wandb": {"logdir": "in-run"},
                           "mlflow": {"tracking_uri": "http://their-server:5000"}}}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlx import checkpoint
 from rlx.plugins.loggers.jsonl import read_metrics
+from rlx.run import checkpoint
 
 pytestmark = pytest.mark.slow
 

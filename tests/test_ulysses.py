@@ -289,7 +289,7 @@ def test_sizes_that_do_not_divide_are_refused() -> None:
 
 def test_config_problems_name_the_backend_and_packing() -> None:
     from rlx.config import RLXConfig
-    from rlx.plugins.backends.ulysses import config_problems
+    from rlx.plugins.modeling.checks import ulysses_problems as config_problems
 
     bad = RLXConfig(backend={"name": "torch"}, actor={"ulysses_sequence_parallel_size": 2},
                     critic={"ulysses_sequence_parallel_size": 2, "use_remove_padding": False})

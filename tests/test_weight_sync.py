@@ -1,4 +1,5 @@
-"""rlx.weight_sync: buckets, the in-process sync from a real torch actor into a real hf engine, and the
+"""rlx.plugins.launchers.weight_sync: buckets, the in-process sync from a real torch actor into a real hf engine, and
+the
 bucketed broadcast over a gloo group of 3 processes (every dtype and shape arrives bit-exact, an engine that
 stops reading early does not leave the sender waiting)."""
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlx import weight_sync
 from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
+from rlx.plugins.launchers import weight_sync
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.protocols import RoleSpec
 

@@ -1,4 +1,5 @@
-"""rlx.weight_sync's shared-memory transport (CUDA IPC on a GPU, a shared-memory segment on the CPU: the same
+"""rlx.plugins.launchers.weight_sync's shared-memory transport (CUDA IPC on a GPU, a shared-memory segment on the
+CPU: the same
 code with another handle type) and the choice of transport.
 
 On the CPU: three processes (rank 0 sends, two rollout ranks receive) over a gloo group; every dtype and shape
@@ -26,9 +27,9 @@ import pytest
 import torch
 from test_weight_sync import payload as kinds
 
-from rlx import weight_sync
 from rlx.context import BuildContext
 from rlx.errors import UserError
+from rlx.plugins.launchers import weight_sync
 from rlx.plugins.launchers.local import LocalOptions, build
 from rlx.protocols import RunInfo
 

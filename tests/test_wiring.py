@@ -16,8 +16,9 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from rlx import Component, builtin, hookimpl
+from rlx import Component, hookimpl
 from rlx.errors import UserError
+from rlx.plugins.tasks import builtin
 from rlx.registry import PluginManager
 from rlx.trainer import Trainer
 from rlx.validate import load_config

@@ -5,7 +5,7 @@ model lists in ``_no_split_modules``) and then to the root; ``fsdp`` wraps the m
 ``FullyShardedDataParallel`` with a transformer-layer auto-wrap policy. Both keep float32 master weights and
 reduce gradients in float32; on a GPU the forward and backward passes run in ``model.dtype`` (bf16 by
 default) through FSDP's own mixed precision, on the CPU everything is float32. Everything model-independent
-(micro-batch loops, exact accumulation, non-finite skips, metrics) is the shared ``rlx.training`` step; this
+(micro-batch loops, exact accumulation, non-finite skips, metrics) is the shared ``rlx.step`` step; this
 module supplies only its primitives: the data-parallel group, a gradient sum over ranks, and clipping of the
 global norm across shards.
 
@@ -78,6 +78,7 @@ from rlx.plugins.backends.ulysses import (
     ulysses_size,
     use_ulysses_attention,
 )
+from rlx.plugins.modeling.checks import COMPILE_FSDP1, CONFIG_PROBLEMS, LORA_FSDP1
 from rlx.protocols import DispatchInfo, RoleSpec
 
 if TYPE_CHECKING:
@@ -86,13 +87,6 @@ if TYPE_CHECKING:
     from rlx.batch import Batch
 
 DCP_DIR = "dcp"
-# Why LoRA stays refused under FSDP1 (core/validate.py says the same before a run starts).
-LORA_FSDP1 = ("LoRA is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 flattens each decoder "
-              "layer's parameters into one tensor of one dtype, so the frozen base (model.dtype) and its "
-              "trainable adapters (float32 master weights) cannot share a layer.")
-COMPILE_FSDP1 = ("use_torch_compile=true is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 wraps "
-                 "each decoder layer in a module of its own, which rlx does not compile.")
-
 
 class FSDPCommonOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -266,7 +260,7 @@ def _safe_planner() -> Any:
 class FSDPWorker(TorchWorker):
     """One role's model sharded over the data-parallel group (``fsdp2`` or ``fsdp``).
 
-    It reuses :class:`TorchWorker`'s forward passes, inference and update loop (``rlx.training``) and
+    It reuses :class:`TorchWorker`'s forward passes, inference and update loop (``rlx.step``) and
     replaces how the model is built and the primitives that cross ranks.
     """
 
@@ -424,7 +418,7 @@ class FSDPWorker(TorchWorker):
         """The Hugging Face model with fresh LoRA adapters (frozen base) when LoRA is on, else itself."""
         if self.lora is None:
             return model
-        from rlx import lora
+        from rlx.plugins.modeling import lora
 
         return lora.apply(model, self.lora, value_head=self.spec.value_head, adapter_dtype=self.adapter_dtype)
 
@@ -515,7 +509,7 @@ class FSDPWorker(TorchWorker):
                     cpu_offload=CPUOffload(offload_params=self.options.cpu_offload),
                     device_id=torch.device(self.device), device_mesh=self.mesh, use_orig_params=True)
 
-    # -- the engine primitives rlx.training's shared loops use ---------------------------------
+    # -- the engine primitives rlx.step's shared loops use ---------------------------------
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         import torch
         import torch.distributed as dist
@@ -580,14 +574,14 @@ class FSDPWorker(TorchWorker):
         if self.lora is None:
             yield from gathered
             return
-        from rlx.lora import merge_stream, scale_of
+        from rlx.plugins.modeling.lora import merge_stream, scale_of
 
         # base + adapter merged tensor by tensor under the base's names; the sharded model stays unmerged
         yield from merge_stream(gathered, scale_of(self.lora))
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`named_weights` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
-        from rlx.weight_sync import buckets
+        from rlx.plugins.launchers.weight_sync import buckets
 
         yield from buckets(self.named_weights(), bucket_bytes)
 
@@ -602,14 +596,14 @@ class FSDPWorker(TorchWorker):
         else:
             model, optim = get_state_dict(self.model, self.optimizer)
         if self.lora is not None:
-            from rlx.lora import is_adapter
+            from rlx.plugins.modeling.lora import is_adapter
 
             model = {name: tensor for name, tensor in model.items() if is_adapter(name)}
         return {"model": model} if optim is None else {"model": model, "optim": optim}
 
     def _check_lora_matches(self, folder: str, path: str) -> None:
         """A checkpoint written with LoRA resumes only with LoRA, and one without only without."""
-        from rlx.lora import is_adapter
+        from rlx.plugins.modeling.lora import is_adapter
 
         metadata = safe_dcp_reader(folder).read_metadata()
         written = any(is_adapter(key) for key in metadata.state_dict_metadata if key.startswith("model."))
@@ -641,7 +635,7 @@ class FSDPWorker(TorchWorker):
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-        from rlx.checkpoint import torch_load
+        from rlx.run.checkpoint import torch_load
 
         folder = os.path.join(path, DCP_DIR)
         if not os.path.isdir(folder):
@@ -711,7 +705,7 @@ class FSDPWorker(TorchWorker):
         tensors, rank 0 writes them."""
         import torch.distributed as dist
 
-        from rlx.lora import is_adapter
+        from rlx.plugins.modeling.lora import is_adapter
 
         if self.lora is None:
             raise UserError(f"The {self.spec.role} has no LoRA adapter (the run trained every weight).",
@@ -754,10 +748,10 @@ def build_fsdp(options: FSDPOptions | None, ctx: BuildContext) -> FSDPBackend:
 @hookimpl
 def rlx_train_backends() -> list[Component]:
     return [
-        Component(kind="backend", name="fsdp2", factory=build_fsdp2, config_model=FSDP2Options,
+        Component(kind="backend", name="fsdp2", factory=build_fsdp2, config_model=FSDP2Options, extra=CONFIG_PROBLEMS,
                   summary="FSDP2 (fully_shard per decoder layer) over the data-parallel processes; "
                           "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
-        Component(kind="backend", name="fsdp", factory=build_fsdp, config_model=FSDPOptions,
+        Component(kind="backend", name="fsdp", factory=build_fsdp, config_model=FSDPOptions, extra=CONFIG_PROBLEMS,
                   summary="FSDP1 (FullyShardedDataParallel, transformer-layer wrapping); "
                           "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
     ]

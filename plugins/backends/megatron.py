@@ -1,5 +1,5 @@
 """The ``megatron`` training backend: one role's model as a megatron-core GPT model with tensor, pipeline
-and data parallelism, on the shared training step of ``rlx.training``.
+and data parallelism, on the shared training step of ``rlx.step``.
 
 Layout. The launcher's processes form the default ``torch.distributed`` group; megatron-core's
 ``parallel_state`` cuts it into tensor-parallel (TP), pipeline-parallel (PP) and data-parallel (DP) groups
@@ -13,10 +13,10 @@ the way out (``megatron_convert``). A trainable role keeps bf16 parameters and f
 megatron-core's mixed-precision optimizer (``model.dtype`` float32: float32 throughout); gradients
 accumulate and are reduced over DP in fp32 (megatron-core's DDP, optionally the distributed optimizer).
 
-The step. With one pipeline stage the worker supplies ``rlx.training``'s primitives (forward, backward,
+The step. With one pipeline stage the worker supplies ``rlx.step``'s primitives (forward, backward,
 zero_grad, optimizer_step, all_reduce over the DP group, to_device) and ``run_update``/``run_forward`` run
 the micro-batch loops as for every backend. With several stages the same mini-batch cut
-(``rlx.training.micro_batches``, the global token and sequence counts in the metadata) goes through
+(``rlx.step.micro_batches``, the global token and sequence counts in the metadata) goes through
 megatron-core's pipeline schedule (``forward_backward_func``): the micro-batches are its micro-batches, the
 algorithm's loss is its loss function on the last stage, and the optimizer step is the same
 ``optimizer_step``. Losses divide by global counts, so gradients are summed, never averaged: the
@@ -45,6 +45,7 @@ from rlx import Component, hookimpl
 from rlx.config import resolve_dtype
 from rlx.context import BuildContext
 from rlx.errors import UserError
+from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import DispatchInfo, LossFn, RoleSpec
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ def layout_problems(options: MegatronOptions, world_size: int | None, hf_config:
 
 
 def settings_problems(settings: dict[str, dict[str, Any]]) -> list[str]:
-    """Role settings (``rlx.training.role_settings``) this backend does not implement."""
+    """Role settings (``rlx.step.role_settings``) this backend does not implement."""
     out = []
     for role, extra in settings.items():
         section = "critic" if role == "critic" else "actor"
@@ -548,7 +549,7 @@ class MegatronWorker:
     def dispatch_info(self) -> DispatchInfo:
         return DispatchInfo(self.dp_rank, self.dp_size, self.tp_rank == 0 and self.last_stage)
 
-    # -- the engine primitives rlx.training's shared loops use ---------------------------------------
+    # -- the engine primitives rlx.step's shared loops use ---------------------------------------
     def to_device(self, micro: Batch) -> Batch:
         return micro.to(self.device)
 
@@ -635,7 +636,7 @@ class MegatronWorker:
 
     def _forward_batch(self, batch: Batch, with_entropy: bool) -> Batch:
         from rlx.batch import Batch
-        from rlx.training import MODEL_COLUMNS, micro_batches, run_forward
+        from rlx.step import MODEL_COLUMNS, micro_batches, run_forward
 
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
         if self.pp_size == 1:
@@ -667,7 +668,7 @@ class MegatronWorker:
         return self._forward_batch(batch, False)
 
     def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
-        from rlx.training import run_update
+        from rlx.step import run_update
 
         for m in self.model:
             m.train()
@@ -727,7 +728,7 @@ class MegatronWorker:
 
     def _pipeline_update(self, mini: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over a mini-batch: the shared step's cut and counts, megatron-core's schedule."""
-        from rlx.training import micro_batches
+        from rlx.step import micro_batches
 
         mask = mini["response_mask"]
         tokens, seqs = self.all_reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
@@ -807,8 +808,8 @@ class MegatronWorker:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing, tensor_parallel
 
-        from rlx.checkpoint import torch_load
         from rlx.plugins.backends.megatron_convert import DIST_DIR
+        from rlx.run.checkpoint import torch_load
 
         folder = os.path.join(path, DIST_DIR)
         if not os.path.isdir(folder):
@@ -872,9 +873,9 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
     hf_config = None
     if ctx.config is not None:
         path = ctx.config.model.path
-        from rlx import builtin
+        from rlx.run.data import resolve_path
 
-        path = builtin.resolve(path) if builtin.is_builtin(path) else path
+        path = resolve_path(path)
         hf_config = read_hf_config(path, ctx.config.model.trust_remote_code)
         check_architecture(hf_config, path)
     check_layout(options, _training_processes(ctx), hf_config)
@@ -894,4 +895,5 @@ def rlx_train_backends() -> list[Component]:
     return [Component(kind="backend", name="megatron", factory=build, config_model=MegatronOptions,
                       summary="megatron-core GPT models (Qwen2, Llama): tensor and pipeline parallelism, "
                               "bf16 with fp32 master weights, distributed checkpoints; GPUs only.",
-                      extra={"export_checkpoint": "rlx.plugins.backends.megatron_convert:export_checkpoint"})]
+                      extra={**CONFIG_PROBLEMS,
+                             "export_checkpoint": "rlx.plugins.backends.megatron_convert:export_checkpoint"})]

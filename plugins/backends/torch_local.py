@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlx import Component, hookimpl
 from rlx.config import resolve_dtype
 from rlx.context import BuildContext
+from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import LossFn, RoleSpec
 
 if TYPE_CHECKING:
@@ -664,7 +665,7 @@ def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> An
 class TorchWorker:
     """One role's model on one device."""
 
-    # ``RoleSpec.extra["lora"]`` (rlx.lora.settings) when the model carries peft adapters.
+    # ``RoleSpec.extra["lora"]`` (rlx.plugins.modeling.lora.settings) when the model carries peft adapters.
     lora: dict[str, Any] | None = None
 
     def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
@@ -698,7 +699,7 @@ class TorchWorker:
                 spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
                 attn_implementation=options.attn_implementation)
         if self.lora is not None:
-            from rlx import lora
+            from rlx.plugins.modeling import lora
 
             base = lora.apply(base, self.lora, value_head=spec.value_head, adapter_dtype=master)
         self.model = base.to(self.device)
@@ -760,7 +761,7 @@ class TorchWorker:
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
 
-    # -- the engine primitives rlx.training's shared loops use ---------------------------------
+    # -- the engine primitives rlx.step's shared loops use ---------------------------------
     def to_device(self, micro: Batch) -> Batch:
         return micro.to(self.device)
 
@@ -842,7 +843,7 @@ class TorchWorker:
         import torch
 
         from rlx.batch import Batch
-        from rlx.training import run_forward
+        from rlx.step import run_forward
 
         size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
         was_training = self.model.training
@@ -873,8 +874,8 @@ class TorchWorker:
 
     # -- training ---------------------------------------------------------------------------
     def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
-        """One optimizer step per mini-batch (``rlx.training.run_update``)."""
-        from rlx.training import run_update
+        """One optimizer step per mini-batch (``rlx.step.run_update``)."""
+        from rlx.step import run_update
 
         self.model.train()
         return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget)
@@ -886,7 +887,7 @@ class TorchWorker:
     # -- weights and checkpoints ------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.lora is not None:  # base + adapter, merged tensor by tensor under the base's names
-            from rlx.lora import merged_weights, scale_of
+            from rlx.plugins.modeling.lora import merged_weights, scale_of
 
             yield from merged_weights(self.model, scale_of(self.lora))
             return
@@ -904,7 +905,7 @@ class TorchWorker:
             if self.lora is not None:  # the base is re-loaded from model.path: only the adapters are saved
                 from safetensors.torch import save_file
 
-                from rlx.lora import ADAPTER_FILE, trainable_state
+                from rlx.plugins.modeling.lora import ADAPTER_FILE, trainable_state
 
                 save_file(trainable_state(self.model), os.path.join(path, ADAPTER_FILE))
             else:
@@ -919,9 +920,9 @@ class TorchWorker:
     def load_checkpoint(self, path: str) -> None:
         import torch
 
-        from rlx.checkpoint import torch_load
         from rlx.errors import UserError
-        from rlx.lora import ADAPTER_FILE
+        from rlx.plugins.modeling.lora import ADAPTER_FILE
+        from rlx.run.checkpoint import torch_load
 
         weights = os.path.join(path, MODEL_FILE)
         adapter = os.path.join(path, ADAPTER_FILE)
@@ -934,7 +935,7 @@ class TorchWorker:
             from safetensors import SafetensorError
             from safetensors.torch import load_file
 
-            from rlx.lora import load_trainable
+            from rlx.plugins.modeling.lora import load_trainable
 
             try:
                 state = load_file(adapter, device=str(self.device))
@@ -1010,14 +1011,14 @@ def trained_dtype(spec: RoleSpec) -> torch.dtype:
 
 
 def with_role_settings(spec: RoleSpec, settings: dict[str, dict[str, Any]]) -> RoleSpec:
-    """``spec`` with its role's forward-pass settings (``rlx.training.role_settings``) under its own extras."""
+    """``spec`` with its role's forward-pass settings (``rlx.step.role_settings``) under its own extras."""
     import dataclasses
 
     return dataclasses.replace(spec, extra={**settings.get(spec.role, {}), **spec.extra})
 
 
 def settings_of(ctx: BuildContext) -> dict[str, dict[str, Any]]:
-    from rlx.training import role_settings
+    from rlx.step import role_settings
 
     return {role: role_settings(ctx.config, role) for role in ("actor", "ref", "critic")}
 
@@ -1041,4 +1042,5 @@ def build(options: TorchBackendOptions | None, ctx: BuildContext) -> TorchBacken
 @hookimpl
 def rlx_train_backends() -> list[Component]:
     return [Component(kind="backend", name="torch", factory=build, config_model=TorchBackendOptions,
+                      extra=CONFIG_PROBLEMS,
                       summary="Plain PyTorch on one process (CPU or one GPU); AdamW, grad accumulation.")]

@@ -38,28 +38,6 @@ ULYSSES_SDPA = "rlx_ulysses_sdpa"
 _CURRENT: list[Any] = [None, None]
 
 
-def config_problems(cfg: Any) -> list[str]:
-    """What the config alone shows to be wrong with ``ulysses_sequence_parallel_size`` (checked before any
-    process starts): the ``torch`` backend has no sequence parallelism, and Ulysses cuts packed rows. The
-    number of processes and the model's heads are checked by the workers (``torchrun`` sets the world
-    size, and the heads are in the model's config)."""
-    problems = []
-    for role in ("actor", "critic"):
-        section = getattr(cfg, role)
-        size = section.ulysses_sequence_parallel_size
-        if size <= 1:
-            continue
-        option = f"{role}.ulysses_sequence_parallel_size={size}"
-        if cfg.backend.name == "torch":
-            problems.append(f"{option}: the torch backend has no sequence parallelism (every process holds whole "
-                            f"sequences). Use --backend fsdp2 (or fsdp) with a multiple of {size} processes, or "
-                            f"{role}.ulysses_sequence_parallel_size=1.")
-        if not section.use_remove_padding:
-            problems.append(f"{option}: Ulysses cuts packed sequences, but {role}.use_remove_padding is false. Set "
-                            f"{role}.use_remove_padding=true, or {role}.ulysses_sequence_parallel_size=1.")
-    return problems
-
-
 def ulysses_size(spec_extra: dict[str, Any], role: str) -> int:
     size = int(spec_extra.get("ulysses_sequence_parallel_size", 1))
     if size < 1:

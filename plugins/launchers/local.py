@@ -11,7 +11,8 @@
   weights are loaded and responses generated (``launcher.sleep_rollout``), and takes the actor's weights
   inside the process. ``launcher.rollout_nproc=K`` starts K more processes that hold only the rollout
   engine (a separate pool; world size N + K): ``generate`` goes to them, training calls to the training
-  pool, and after each update rank 0 sends the actor's weights to them in buckets (``rlx.weight_sync``):
+  pool, and after each update rank 0 sends the actor's weights to them in buckets
+  (``rlx.plugins.launchers.weight_sync``):
   by broadcast when they have GPUs of their own, by CUDA IPC when they share training rank 0's GPU
   (``launcher.weight_sync``). Each pool's processes form their own default ``torch.distributed`` group (the
   training pool's is the one the backends use); commands and the weights travel over groups of their own.
@@ -105,9 +106,9 @@ def balanced_roles(config: Any) -> frozenset[str]:
 
 def balance(value: Any, parts: int) -> tuple[Any, list[int] | None]:
     """A call's data reordered so that :func:`shard` gives every data-parallel rank as many rows as before
-    with nearly equal token counts (``rlx.training.balanced_order``), and the order to undo on its per-row
+    with nearly equal token counts (``rlx.step.balanced_order``), and the order to undo on its per-row
     results (None: nothing to undo; the mini-batches of an update, each balanced, return metrics)."""
-    from rlx.training import balance_for_ranks, balanced_order
+    from rlx.step import balance_for_ranks, balanced_order
 
     if isinstance(value, Batch):
         order = balanced_order(value, parts)
@@ -208,7 +209,7 @@ class LocalLauncher(_PhaseSwitch):
 
     def transfer_weights(self, src: LocalWorkerGroup, dst: LocalWorkerGroup) -> dict[str, float]:
         """Hand the source role's weights to the destination workers (actor -> rollout), in process."""
-        from rlx.weight_sync import bucket_bytes, sync_in_process
+        from rlx.plugins.launchers.weight_sync import bucket_bytes, sync_in_process
 
         limit = bucket_bytes(self.options.bucket_size_mb)
         stats = [sync_in_process(src.workers[0], worker, limit) for worker in dst.workers]
@@ -351,8 +352,8 @@ class _Host:
         raise ValueError(f"unknown command {op!r}")
 
     def sync(self, source: Any, engine: Any, limit: int) -> Any:
-        """This process's part of one actor -> rollout sync (``rlx.weight_sync``)."""
-        from rlx import weight_sync
+        """This process's part of one actor -> rollout sync (``rlx.plugins.launchers.weight_sync``)."""
+        from rlx.plugins.launchers import weight_sync
 
         if source is not None and engine is not None:
             return weight_sync.sync_in_process(source, engine, limit)
@@ -437,9 +438,9 @@ def _gpu_uuid() -> str:
 
 def _transport(rank: int, layout: Layout, store: Any, use_cuda: bool, mode: Any) -> str:
     """Rank 0 and the rollout ranks: how the weights travel between them. Each publishes its GPU's UUID in
-    the store; rank 0 chooses (``rlx.weight_sync.choose``: a user error there ends the run before anything
-    is built) and publishes the choice, which the rollout ranks read."""
-    from rlx import weight_sync
+    the store; rank 0 chooses (``rlx.plugins.launchers.weight_sync.choose``: a user error there ends the run
+    before anything is built) and publishes the choice, which the rollout ranks read."""
+    from rlx.plugins.launchers import weight_sync
 
     store.set(f"rlx/gpu/{rank}", _gpu_uuid() if use_cuda else "")
     if rank != 0:
@@ -730,8 +731,8 @@ class ProcessLauncher(_PhaseSwitch):
     def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> dict[str, float]:
         """Colocated: every rank loads the actor's weights of its own process into its rollout engine. A
         rollout pool: rank 0 broadcasts them to the pool in buckets while the other training ranks take part
-        in the actor's gathers (``rlx.weight_sync``)."""
-        from rlx.weight_sync import bucket_bytes
+        in the actor's gathers (``rlx.plugins.launchers.weight_sync``)."""
+        from rlx.plugins.launchers.weight_sync import bucket_bytes
 
         ranks = sorted(set(src.ranks) | set(dst.ranks))
         results = self.run(("sync", src.role, dst.role, bucket_bytes(self.options.bucket_size_mb)), None, ranks)

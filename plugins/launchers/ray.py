@@ -14,7 +14,7 @@
 - ``launcher.rollout_nproc=K``: K more actors, in a placement group of their own, hold only the rollout
   engine (a separate pool). The N training actors form the ``torch.distributed`` world the backends use;
   after each update training rank 0 broadcasts the actor's weights to the K rollout actors in buckets
-  (``rlx.weight_sync``, over a group of rank 0 and the rollout actors).
+  (``rlx.plugins.launchers.weight_sync``, over a group of rank 0 and the rollout actors).
 - A call sends every actor its data-parallel shard at once (the workers' collectives need all ranks),
   then gathers the collected ranks' results in data-parallel order. Colocated, weights go from each actor's
   actor role to its own rollout engine inside the actor.
@@ -396,8 +396,8 @@ class RayLauncher(_PhaseSwitch):
 
     def transfer_weights(self, src: ProcessWorkerGroup, dst: ProcessWorkerGroup) -> dict[str, float]:
         """Colocated: every actor loads its own actor role's weights into its own rollout engine. A rollout
-        pool: rank 0 broadcasts them to the pool's actors in buckets (``rlx.weight_sync``)."""
-        from rlx.weight_sync import bucket_bytes
+        pool: rank 0 broadcasts them to the pool's actors in buckets (``rlx.plugins.launchers.weight_sync``)."""
+        from rlx.plugins.launchers.weight_sync import bucket_bytes
 
         ranks = sorted(set(src.ranks) | set(dst.ranks))
         return dict(self.run(("sync", src.role, dst.role, bucket_bytes(self.options.bucket_size_mb)), None,

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
-from rlx.run_files import check_run_folder_links, open_append_nofollow, plain_name_problem, write_private
+from rlx.run.files import check_run_folder_links, open_append_nofollow, plain_name_problem, write_private
 
 _RESERVED = ("step", "time")
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
-from rlx.run_files import folder_option_problem, logger_folder
+from rlx.run.files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
 

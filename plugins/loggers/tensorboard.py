@@ -23,7 +23,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, sample_columns
-from rlx.run_files import folder_option_problem, logger_folder
+from rlx.run.files import folder_option_problem, logger_folder
 
 
 class TensorboardOptions(BaseModel):

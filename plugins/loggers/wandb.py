@@ -34,7 +34,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, read_run_id, sample_columns, save_run_id
-from rlx.run_files import folder_option_problem, logger_folder
+from rlx.run.files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
 

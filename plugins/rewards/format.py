@@ -65,7 +65,7 @@ class FormatOptions(BaseModel):
 
 def checker(opts: FormatOptions) -> Callable[[str], bool]:
     if opts.style == "boxed":
-        from rlx.answers import last_boxed
+        from rlx.run.answers import last_boxed
 
         return lambda text: bool(last_boxed(text))
     if opts.style == "think":

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
-from rlx.answers import last_boxed
 from rlx.protocols import RewardBatch, RewardOutput
+from rlx.run.answers import last_boxed
 
 from ._compose import with_answers
 

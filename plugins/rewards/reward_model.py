@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlx import Component, hookimpl
 from rlx.errors import UserError
-from rlx.models import check_model_folder
 from rlx.protocols import RewardBatch, RewardOutput
+from rlx.run.models import check_model_folder
 
 if TYPE_CHECKING:
     from rlx.context import BuildContext

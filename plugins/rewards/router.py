@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from rlx import Component, hookimpl
 from rlx.protocols import RewardBatch, RewardOutput
-from rlx.reward_runner import subset
+from rlx.run.rewards import subset
 
 from ._compose import ComponentRef, answers_of, build_component, check_ref, details_of, plugin_manager, with_answers
 

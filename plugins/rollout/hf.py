@@ -219,7 +219,7 @@ class HFRollout:
 
 
 def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     cfg = ctx.config
     assert cfg is not None and ctx.tokenizer is not None

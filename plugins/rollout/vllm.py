@@ -350,7 +350,7 @@ def engine_arguments(options: VLLMRolloutOptions, ctx: BuildContext) -> dict[str
     """The keyword arguments of :class:`VLLMRollout` for the engine ``ctx`` describes. Each engine of a pool
     samples with its own seed, ``trainer.seed`` plus its rank in the pool (``ctx.rank``, given by the
     launcher that builds the pool): with one seed, N engines would draw the same responses to a prompt."""
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     cfg = ctx.config
     assert cfg is not None and ctx.tokenizer is not None

@@ -50,7 +50,7 @@ def _read_config(run: Path) -> tuple[Path, dict[str, Any]]:
     """The run's ``config.yaml`` as a mapping; a :class:`UserError` naming the file when it is not one."""
     import yaml
 
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     config_path = run / "config.yaml"
     if not config_path.is_file():
@@ -70,7 +70,7 @@ def read_recorded_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a run's metrics file, each with an integer ``step``; a :class:`UserError` naming the
     file and line otherwise (read before the replay trains, so a damaged file costs no training)."""
     from rlx.plugins.loggers.jsonl import read_metrics
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     try:
         with open(path, "rb") as f:
@@ -95,7 +95,7 @@ def read_recorded_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _check_out(run: Path, target: Path) -> None:
     """Refuse a replay folder that is the run folder, holds it, or lies in one of the run's own files."""
-    from rlx.run_files import RUN_FILES, printable
+    from rlx.run.files import RUN_FILES, printable
 
     here, there = run.resolve(), target.resolve()
     own = [here / name for name in RUN_FILES if name != "replay"]
@@ -108,7 +108,7 @@ def _check_out(run: Path, target: Path) -> None:
 def _logger_places(config: dict[str, Any]) -> list[str]:
     """Overrides that bring back into the replay folder the loggers' places the run's config puts elsewhere
     (an absolute or ``~`` logdir, a tracking URI): a replay writes only in its own folder."""
-    from rlx.run_files import is_outside, printable
+    from rlx.run.files import is_outside, printable
 
     overrides = []
     options = config.get("loggers") if isinstance(config.get("loggers"), dict) else {}
@@ -136,9 +136,10 @@ def replay_command(
             "a model folder's own code with trust_remote_code). Without it such a run is refused.")] = False,
 ) -> None:
     """Run a run again from its folder (config.yaml), refusing where a recorded version or file hash differs."""
-    from rlx import provenance
-    from rlx.cli.main import _pm, _quiet_libraries
-    from rlx.run_files import check_run_folder_links, printable, refuse_code
+    from rlx.plugins.provenance import record as provenance
+    from rlx.registry import get_plugin_manager as _pm
+    from rlx.run.files import check_run_folder_links, printable, refuse_code
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
     from rlx.validate import load_config
 
     run = run.expanduser()

@@ -6,23 +6,119 @@ A row holds ``prompt`` (a list of ``{"role", "content"}`` chat messages), ``data
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import random
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlx import builtin
-from rlx.datasets import file_problem, missing_columns, os_error_text, role_problem
-from rlx.errors import UserError
+from rlx.errors import UserError, did_you_mean
 
 MAX_REPORTED = 20
 
 
+def _resource(ref: str) -> Any:
+    """The resource component whose scheme ``ref`` starts with (``builtin`` of ``builtin:arith-train``), or None
+    for a plain path. Schemes are registered by plugins (``rlx_resources``; the tasks plugin gives ``builtin``)."""
+    scheme, sep, _ = ref.partition(":")
+    if not sep or not scheme:
+        return None
+    from rlx.registry import get_plugin_manager
+
+    return get_plugin_manager().components().get(("resource", scheme))
+
+
+def is_resource(ref: str) -> bool:
+    """Whether ``ref`` is a resource reference (e.g. ``builtin:tiny-qwen2``) rather than a path."""
+    return _resource(ref) is not None
+
+
 def resolve_path(ref: str) -> str:
-    return builtin.resolve(ref) if builtin.is_builtin(ref) else os.path.expanduser(ref)
+    """The local path of ``ref``: a resource reference resolved by its plugin (written first if needed), a path
+    with ``~`` expanded."""
+    comp = _resource(ref)
+    return str(comp.load_factory()(ref)) if comp is not None else os.path.expanduser(ref)
+
+
+# The roles a chat message may have: the ones chat templates render (an unknown role is dropped or
+# rendered verbatim, depending on the template, so the model would see a prompt nobody wrote).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def role_problem(messages: list[Any], key: str) -> str | None:
+    """Why chat ``messages`` (already ``{'role': str, 'content': str}`` dicts) cannot be used: the first
+    message whose role is not one of :data:`CHAT_ROLES`; None when every role is known."""
+    for j, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] not in CHAT_ROLES:
+            hint = did_you_mean(m["role"], CHAT_ROLES)
+            return (f"{key}[{j}] has the role {m['role']!r}; the roles accepted are {', '.join(CHAT_ROLES)}"
+                    + (f".{hint}" if hint else ""))
+    return None
+
+
+def os_error_text(exc: OSError) -> str:
+    """Plain words for why a file could not be opened (any :class:`OSError`)."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied (this user cannot read the file or enter a folder on its path)"
+    if exc.errno == errno.ENOENT:
+        return "does not exist"
+    if exc.errno == errno.ENOTDIR:
+        return "a part of its path is a file, not a folder"
+    if exc.errno == errno.EISDIR:
+        return "is a folder, not a file"
+    return exc.strerror or str(exc)
+
+
+def file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a data file, in words (it does not exist, is a folder, permission
+    denied, ...), or None when it can be opened. Every :class:`OSError` is turned into words here, so
+    the callers that check a data file before reading it share one answer."""
+    p = Path(os.path.expanduser(path))
+    try:
+        mode = p.stat().st_mode
+        if stat.S_ISDIR(mode):
+            return "is a folder, not a file"
+        if not stat.S_ISREG(mode):  # a pipe or device would block or never end
+            return "is not a regular file"
+        with open(p, "rb"):
+            pass
+    except OSError as exc:
+        return os_error_text(exc)
+    except ValueError as exc:  # an embedded NUL byte
+        return f"is not a usable path ({exc})"
+    return None
+
+
+def columns_present(rows: list[Any], limit: int = 20) -> str:
+    """The columns the rows have, in order of first appearance, for a message."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        if isinstance(row, dict):
+            seen.update(dict.fromkeys(str(k) for k in row))
+    names = list(seen)
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def missing_columns(rows: list[Any], keys: list[str], file: str) -> list[str]:
+    """One line for each of ``keys`` that no row of ``file`` has, naming the columns the rows do have
+    (a renamed column is one problem, not one per row); empty when every key is in some row."""
+    dicts = [r for r in rows if isinstance(r, dict)]
+    if not dicts:
+        return []
+    present = {str(k) for r in dicts for k in r}
+    out = []
+    for key in dict.fromkeys(keys):
+        if key not in present:
+            out.append(f"{file}: no row has the column {key!r} (columns present: {columns_present(dicts)})."
+                       + did_you_mean(key, sorted(present)))
+    return out
+
 
 
 def check_files(refs: list[str], key: str) -> list[str]:
@@ -30,7 +126,7 @@ def check_files(refs: list[str], key: str) -> list[str]:
     are not parquet."""
     problems = []
     for ref in refs:
-        if builtin.is_builtin(ref):
+        if is_resource(ref):
             continue
         problem = file_problem(ref)
         if problem == "does not exist":

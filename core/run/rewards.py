@@ -24,7 +24,7 @@ source, and the reason; ``zero`` gives the failed responses ``failure_score`` an
 is dropped.
 
 Answers: a reward may say which final answer it scored in each response (``RewardOutput.answers``: a
-string, or None where it found none); majority voting in :mod:`rlx.evaluation` uses them.
+string, or None where it found none); majority voting in :mod:`rlx.run.evaluation` uses them.
 
 With ``executor=process`` the forked child checks the output itself and sends it back as JSON (finite
 floats, ``null`` for an invalid score, strings), never a pickle: the parent parses it with a size limit and

@@ -34,12 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlx.answers import last_boxed
+from rlx.run.answers import last_boxed
 
 if TYPE_CHECKING:
     from rlx.batch import Batch
-    from rlx.data import PromptExample
     from rlx.protocols import SamplingParams
+    from rlx.run.data import PromptExample
 
 ALL = "all"
 
@@ -205,7 +205,7 @@ def evaluate(examples: list[PromptExample], *, generate: Callable[[Batch, Sampli
              score: Callable[[Batch], Batch], params: SamplingParams, batch_size: int, pad_token_id: int,
              threshold: float = 1.0, progress: Callable[[int, int], None] | None = None) -> list[SampleRecord]:
     """Generate ``params.n`` responses for every prompt, score them, and return one record per response."""
-    from rlx.data import collate
+    from rlx.run.data import collate
 
     records: list[SampleRecord] = []
     for start in range(0, len(examples), batch_size):

@@ -27,25 +27,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx import checkpoint
-from rlx.datasets import (
-    Messages,
+from rlx.errors import UserError, describe_exception
+from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, pick_device
+from rlx.plugins.tasks.datasets import (
     PreferencePair,
+    conversation_ids,
     file_problem,
     preference_column_problems,
     preference_pair,
     read_records,
+    render,
 )
-from rlx.errors import UserError, describe_exception
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, pick_device
 from rlx.protocols import RoleSpec, RunInfo
-from rlx.run_files import check_run_folder_links, is_private, make_tree_private, write_private
+from rlx.run import checkpoint
+from rlx.run.files import check_run_folder_links, is_private, make_tree_private, write_private
 
 if TYPE_CHECKING:
     import torch
 
+    from rlx.plugins.reward_modeling.config import ResolvedRM, RMDataConfig
     from rlx.registry import PluginManager
-    from rlx.rm_config import ResolvedRM, RMDataConfig
 
 MAX_REPORTED = 20
 METRICS = ("loss", "accuracy", "margin", "chosen", "rejected")
@@ -75,20 +76,6 @@ def pair_sums(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor
 
 
 # -- data -------------------------------------------------------------------------------------------
-def render(tokenizer: Any, prompt: Messages, reply: Messages) -> str:
-    """The conversation text the reward model reads: the chat template over prompt + reply (no generation
-    prompt), or the messages' contents one per line when the tokenizer has none, as the ``reward_model``
-    reward renders a rollout."""
-    messages = prompt + reply
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "\n".join(m["content"] for m in messages)
-
-
-def conversation_ids(tokenizer: Any, prompt: Messages, reply: Messages) -> list[int]:
-    return tokenizer(render(tokenizer, prompt, reply), add_special_tokens=False)["input_ids"]
-
-
 @dataclass
 class TokenPair:
     chosen: list[int]
@@ -98,7 +85,7 @@ class TokenPair:
 
 @dataclass
 class PairSet:
-    """Tokenized pairs; ``examples`` and ``len`` let :class:`rlx.data.PromptLoader` batch them."""
+    """Tokenized pairs; ``examples`` and ``len`` let :class:`rlx.run.data.PromptLoader` batch them."""
 
     examples: list[TokenPair]
     dropped_overlong: int = 0
@@ -110,7 +97,7 @@ class PairSet:
 
 def read_pairs(refs: list[str], data: RMDataConfig, source_key: str) -> list[PreferencePair]:
     """Every pair of the files; a :class:`UserError` listing the bad rows (index and reason) if any."""
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     pairs: list[PreferencePair] = []
     bad: list[str] = []
@@ -186,7 +173,7 @@ def start_kind(path: str, trust_remote_code: bool, key: str = "model.path") -> s
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from rlx.models import check_model_folder
+    from rlx.run.models import check_model_folder
 
     check_model_folder(path, trust_remote_code, key=key, tokenizer=False)
     try:
@@ -322,8 +309,8 @@ class RewardModelTrainer:
         import torch
 
         from rlx.context import BuildContext
-        from rlx.data import PromptLoader, resolve_path
-        from rlx.models import load_tokenizer
+        from rlx.run.data import PromptLoader, resolve_path
+        from rlx.run.models import load_tokenizer
 
         self.resolved, self.cfg, self.pm = resolved, resolved.config, pm
         cfg = self.cfg

@@ -18,18 +18,17 @@ one, else the last ``\\boxed{}`` of ``solution``. Rows without a usable answer a
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlx.errors import UserError, did_you_mean, require
+from rlx.errors import UserError, require
+from rlx.run.data import file_problem, missing_columns, os_error_text, role_problem
 
 GSM8K_INSTRUCTION = ('Think it through step by step, then write "####" followed by the final answer '
                      '(a number) on the last line.')
@@ -68,7 +67,7 @@ def _gsm8k(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
 
 
 def _math(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
-    from rlx.answers import last_boxed
+    from rlx.run.answers import last_boxed
 
     question = raw.get("problem", raw.get("question"))
     truth = raw.get("answer")
@@ -93,82 +92,8 @@ RECIPES = {
 
 
 # -- reading ------------------------------------------------------------------------------------
-# The roles a chat message may have: the ones chat templates render (an unknown role is dropped or
-# rendered verbatim, depending on the template, so the model would see a prompt nobody wrote).
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def role_problem(messages: list[Any], key: str) -> str | None:
-    """Why chat ``messages`` (already ``{'role': str, 'content': str}`` dicts) cannot be used: the first
-    message whose role is not one of :data:`CHAT_ROLES`; None when every role is known."""
-    for j, m in enumerate(messages):
-        if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] not in CHAT_ROLES:
-            hint = did_you_mean(m["role"], CHAT_ROLES)
-            return (f"{key}[{j}] has the role {m['role']!r}; the roles accepted are {', '.join(CHAT_ROLES)}"
-                    + (f".{hint}" if hint else ""))
-    return None
-
-
-def os_error_text(exc: OSError) -> str:
-    """Plain words for why a file could not be opened (any :class:`OSError`)."""
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied (this user cannot read the file or enter a folder on its path)"
-    if exc.errno == errno.ENOENT:
-        return "does not exist"
-    if exc.errno == errno.ENOTDIR:
-        return "a part of its path is a file, not a folder"
-    if exc.errno == errno.EISDIR:
-        return "is a folder, not a file"
-    return exc.strerror or str(exc)
-
-
-def file_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` cannot be read as a data file, in words (it does not exist, is a folder, permission
-    denied, ...), or None when it can be opened. Every :class:`OSError` is turned into words here, so
-    the callers that check a data file before reading it share one answer."""
-    p = Path(os.path.expanduser(path))
-    try:
-        mode = p.stat().st_mode
-        if stat.S_ISDIR(mode):
-            return "is a folder, not a file"
-        if not stat.S_ISREG(mode):  # a pipe or device would block or never end
-            return "is not a regular file"
-        with open(p, "rb"):
-            pass
-    except OSError as exc:
-        return os_error_text(exc)
-    except ValueError as exc:  # an embedded NUL byte
-        return f"is not a usable path ({exc})"
-    return None
-
-
-def columns_present(rows: list[Any], limit: int = 20) -> str:
-    """The columns the rows have, in order of first appearance, for a message."""
-    seen: dict[str, None] = {}
-    for row in rows:
-        if isinstance(row, dict):
-            seen.update(dict.fromkeys(str(k) for k in row))
-    names = list(seen)
-    if not names:
-        return "none"
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
-def missing_columns(rows: list[Any], keys: list[str], file: str) -> list[str]:
-    """One line for each of ``keys`` that no row of ``file`` has, naming the columns the rows do have
-    (a renamed column is one problem, not one per row); empty when every key is in some row."""
-    dicts = [r for r in rows if isinstance(r, dict)]
-    if not dicts:
-        return []
-    present = {str(k) for r in dicts for k in r}
-    out = []
-    for key in dict.fromkeys(keys):
-        if key not in present:
-            out.append(f"{file}: no row has the column {key!r} (columns present: {columns_present(dicts)})."
-                       + did_you_mean(key, sorted(present)))
-    return out
-
-
+# The generic checks of a data file (file_problem, os_error_text, missing_columns, role_problem) are the
+# run's data service's (rlx.run.data); the recipes below use them.
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSONL, JSON (a list, or ``{"data": [...]}``) or parquet file."""
     problem = file_problem(path)
@@ -367,6 +292,20 @@ class PreferencePair:
     margin: float = 0.0
 
 
+def render(tokenizer: Any, prompt: Messages, reply: Messages) -> str:
+    """The conversation text the reward model reads: the chat template over prompt + reply (no generation
+    prompt), or the messages' contents one per line when the tokenizer has none, as the ``reward_model``
+    reward renders a rollout."""
+    messages = prompt + reply
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def conversation_ids(tokenizer: Any, prompt: Messages, reply: Messages) -> list[int]:
+    return tokenizer(render(tokenizer, prompt, reply), add_special_tokens=False)["input_ids"]
+
+
 def _messages(value: Any, key: str, role: str) -> tuple[Messages | None, str | None]:
     """``value`` as chat messages (text becomes one message of ``role``), or why it cannot be."""
     if isinstance(value, str):
@@ -518,7 +457,6 @@ def prepare_preference(out_dir: str, *, sources: list[str] | None = None, hub_pa
                                              rejected_key=rejected_key, margin_key=margin_key)
             reason = _drop_reason(problems, (chosen_key, rejected_key)) if pair is None else None
             if pair is not None and tokenizer is not None and max_length is not None:
-                from rlx.reward_modeling import conversation_ids
 
                 longest = max(len(conversation_ids(tokenizer, pair.prompt, side))
                               for side in (pair.chosen, pair.rejected))

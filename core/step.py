@@ -168,7 +168,7 @@ def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
     log-prob passes (with LoRA on, no reference worker is built: the actor scores with its adapter off)."""
     if config is None:
         return {}
-    from rlx.lora import settings as lora_settings
+    from rlx.plugins.modeling.lora import settings as lora_settings
 
     if role == "critic":
         c = config.critic

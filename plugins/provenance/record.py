@@ -102,7 +102,7 @@ def plugin_versions(config: Mapping[str, Any], pm: Any) -> dict[str, dict[str, s
 
 def _model_entries(key: str, ref: str) -> dict[str, Any]:
     """Hashes of a model folder's defining files, keyed ``key:filename``; a hub id is recorded unhashed."""
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     folder = Path(resolve_path(ref))
     out: dict[str, Any] = {}
@@ -135,7 +135,7 @@ def _hub_snapshot(ref: str) -> Path | None:
 
 def hash_inputs(config: Mapping[str, Any]) -> dict[str, Any]:
     """Hashes of the run's inputs: data files, the model, the critic's and the reward's model or file."""
-    from rlx.data import resolve_path
+    from rlx.run.data import resolve_path
 
     files: dict[str, Any] = {}
     data = config.get("data", {})
@@ -166,7 +166,7 @@ def collect(config: Mapping[str, Any], pm: Any, argv: list[str] | None = None) -
 def write(run_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
     """Write ``provenance.json`` in ``run_dir`` atomically (a temporary file renamed over it, never written
     through a link; 0600 in a private run folder)."""
-    from rlx.run_files import write_private
+    from rlx.run.files import write_private
 
     return write_private(Path(run_dir) / FILENAME, json.dumps(record, indent=2, sort_keys=False) + "\n")
 
@@ -175,7 +175,7 @@ def read(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The record of ``run_dir/provenance.json``; a :class:`~rlx.errors.UserError` naming the file and the field
     when it is not valid JSON or a field has the wrong type (a file is data: it may be damaged or crafted)."""
     from rlx.errors import UserError
-    from rlx.run_files import printable
+    from rlx.run.files import printable
 
     path = Path(run_dir) / FILENAME
     try:
@@ -217,8 +217,8 @@ def record_problem(record: Any) -> str | None:
 def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Each way the current environment differs from the recorded one, as a sentence naming the file,
     package or plugin (an empty list: nothing that provenance records has changed). Text from the record is
-    printed with its control characters escaped (:func:`rlx.run_files.printable`)."""
-    from rlx.run_files import printable
+    printed with its control characters escaped (:func:`rlx.run.files.printable`)."""
+    from rlx.run.files import printable
 
     out = []
     for name, was in recorded.get("versions", {}).items():

@@ -124,7 +124,7 @@ def load_rm_config(pm: Any, *, preset: str | None = None, config_file: str | Seq
     from rlx.validate import _component_options
 
     raw = build_raw(preset=preset, config_file=config_file, shortcuts={"model": model, "backend": backend},
-                    overrides=overrides, preset_family="rm")
+                    overrides=overrides, preset_family="rm", schema=RMConfig)
     if isinstance(raw.get("model"), dict) and "path" in raw["model"] and raw["model"]["path"] is None:
         raw["model"]["path"] = ""  # model.path=null: no model given, said as such below
     problems: list[str] = []
@@ -169,8 +169,8 @@ def load_rm_config(pm: Any, *, preset: str | None = None, config_file: str | Seq
 
 
 def _file_problems(cfg: RMConfig) -> list[str]:
-    from rlx import builtin
-    from rlx.datasets import SOURCE_SUFFIXES, file_problem
+    from rlx.plugins.tasks.datasets import SOURCE_SUFFIXES
+    from rlx.run.data import file_problem, is_resource
     from rlx.validate import output_dir_problems
 
     problems = []
@@ -179,7 +179,7 @@ def _file_problems(cfg: RMConfig) -> list[str]:
                         "JSON with prompt/chosen/rejected); `rlx data prepare preference` writes one.")
     for key in ("train_files", "val_files"):
         for ref in getattr(cfg.data, key):
-            if builtin.is_builtin(ref):
+            if is_resource(ref):
                 continue
             p = Path(os.path.expanduser(ref))
             problem = file_problem(p)

@@ -6,13 +6,13 @@ from typing import Any
 
 from rlx.batch import Batch
 from rlx.protocols import RewardBatch, RewardFn
-from rlx.reward_runner import RewardPolicy, RewardRunner
+from rlx.run.rewards import RewardPolicy, RewardRunner
 
 
 class RewardWorker:
     """Decodes responses and scores them with a reward function; one score per response.
 
-    The function runs under a :class:`rlx.reward_runner.RewardPolicy` (``settings``: the ``reward``
+    The function runs under a :class:`rlx.run.rewards.RewardPolicy` (``settings``: the ``reward``
     config section or a policy): in parallel, with a time limit per call, and with failed responses
     either stopping the run or scoring ``failure_score``. Besides ``scores`` and the plugin's
     ``reward_extra/<key>`` columns, every batch gets ``reward_extra/failed`` and

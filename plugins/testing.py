@@ -4,7 +4,7 @@ do, as checks and as one pytest class to subclass.
 A plugin runs the whole contract with one import and one method::
 
     # tests/test_my_engine.py
-    from rlx.testing import RolloutEngineContract
+    from rlx.plugins.testing import RolloutEngineContract
 
     class TestMyEngine(RolloutEngineContract):
         def make_engine(self, model_path, tokenizer):
@@ -27,7 +27,8 @@ against the training backend's forward pass (``rlx.plugins.backends.torch_local.
   temperature within ``logprob_atol`` (1e-4 by default: float32 on the CPU; an engine computing in another
   precision sets its own and says so), and are the log of the processed probability for top-k / top-p;
 - ``update_weights`` with a generator of ``(name, tensor)`` pairs (the tied ``lm_head.weight`` left out, a new
-  buffer per bucket, as ``rlx.weight_sync`` sends them) switches the policy visibly, and ``sleep`` then
+  buffer per bucket, as ``rlx.plugins.launchers.weight_sync`` sends them) switches the policy visibly, and ``sleep``
+  then
   ``wake_up`` keep the weights the engine holds (not the ones it was started with).
 
 The statistical checks cannot flake: the seed is fixed (through ``torch.manual_seed`` and
@@ -300,8 +301,8 @@ def make_peaked_model(base_path: str, folder: str | Path, seed: int, likely_eos:
 
 
 def _bucketed(model: Any, tensors_per_bucket: int = 3) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights as ``rlx.weight_sync`` streams them: bucket after bucket, each bucket's tensors
-    views of one new buffer; the tied ``lm_head.weight`` is sent once, under the embedding's name."""
+    """The model's weights as ``rlx.plugins.launchers.weight_sync`` streams them: bucket after bucket, each
+    bucket's tensors views of one new buffer; the tied ``lm_head.weight`` is sent once, under the embedding's name."""
     items = list(model.state_dict(keep_vars=False).items())
     seen: set[int] = set()
     unique = []
@@ -348,9 +349,9 @@ class RolloutEngineContract:
         """Two policies: ``a`` (the engine starts on it; EOS likely) and ``b`` (loaded through update_weights)."""
         from transformers import AutoTokenizer
 
-        from rlx import builtin
+        from rlx.run.data import resolve_path
 
-        base = builtin.resolve(self.base_model) if self.base_model.startswith("builtin:") else self.base_model
+        base = resolve_path(self.base_model)
         root = tmp_path_factory.mktemp("engine_contract")
         a = make_peaked_model(base, root / "a", seed=1234, likely_eos=True)
         b = make_peaked_model(base, root / "b", seed=4321, likely_eos=False)
@@ -365,7 +366,7 @@ class RolloutEngineContract:
     @pytest.fixture(scope="class")
     def prompts(self, contract_policies: dict[str, Any]) -> Batch:
         """Three short prompts of different lengths (left-padded), each a row with its own reward inputs."""
-        from rlx.data import PromptExample, collate
+        from rlx.run.data import PromptExample, collate
 
         tok = contract_policies["tokenizer"]
         ids = [[11, 23, 37, 5], [42, 17], [30, 31, 32, 33, 34, 35, 36]]

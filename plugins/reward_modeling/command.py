@@ -1,5 +1,5 @@
 """``rlx rm``: reward modeling. ``rlx rm train`` trains a sequence-classification reward model on preference
-pairs (``rlx.reward_modeling``); heavy libraries load inside the command."""
+pairs (``rlx.plugins.reward_modeling.trainer``); heavy libraries load inside the command."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def train(
     """Train a reward model with the Bradley-Terry loss. With no model, config or data, runs the built-in
     preference task (preset rm_tiny) on the CPU. The run folder's hf_model/ is what reward.path takes."""
     from rlx.config import override_key
-    from rlx.rm_config import DEFAULT_PRESET, load_rm_config
+    from rlx.plugins.reward_modeling.config import DEFAULT_PRESET, load_rm_config
 
     overrides = list(overrides or [])
     if resume:
@@ -42,13 +42,14 @@ def train(
             override_key(o) in ("model.path", "data.train_files") for o in overrides):
         preset = DEFAULT_PRESET
         typer.echo(f"No model, config or data given: using the built-in preset {preset!r}.", err=True)
-    from rlx.cli.main import _pm, _quiet_libraries
+    from rlx.registry import get_plugin_manager as _pm
+    from rlx.run.terminal import quiet_libraries as _quiet_libraries
 
     pm = _pm()
     resolved = load_rm_config(pm, preset=preset, config_file=config, model=model, backend=backend,
                               overrides=overrides)
     _quiet_libraries()
-    from rlx.reward_modeling import train_reward_model
+    from rlx.plugins.reward_modeling.trainer import train_reward_model
 
     trainer, metrics = train_reward_model(resolved, pm)
     if "val/accuracy" in metrics:

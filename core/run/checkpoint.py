@@ -97,7 +97,7 @@ def save(root: Path, step: int, write: Callable[[Path], None], state: dict[str, 
     """Write checkpoint ``step`` under ``root`` with ``write(tmp_folder)``; return its final path.
 
     ``root`` and the checkpoint folder are private (0700) when the folder holding them is (the run folder)."""
-    from rlx.run_files import is_private, make_tree_private
+    from rlx.run.files import is_private, make_tree_private
 
     make_dir(root, private=is_private(root.parent))
     for stale in root.glob(".tmp-*"):

@@ -1,0 +1,61 @@
+"""Config checks the torch-based backends share, run before any process starts (``rlx config validate``, ``rlx
+train``): LoRA needs peft, what FSDP1 lacks, and what Ulysses sequence parallelism needs. Each backend names
+:func:`config_problems` in its component's ``extra["config_problems"]``; core calls the chosen backend's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Why LoRA stays refused under FSDP1 (config_problems says the same before a run starts).
+LORA_FSDP1 = ("LoRA is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 flattens each decoder "
+              "layer's parameters into one tensor of one dtype, so the frozen base (model.dtype) and its "
+              "trainable adapters (float32 master weights) cannot share a layer.")
+COMPILE_FSDP1 = ("use_torch_compile=true is built in the fsdp2 and torch backends, not in fsdp (FSDP1): FSDP1 wraps "
+                 "each decoder layer in a module of its own, which rlx does not compile.")
+
+# The component ``extra`` of a backend that uses these checks.
+CONFIG_PROBLEMS = {"config_problems": "rlx.plugins.modeling.checks:config_problems"}
+
+
+def config_problems(cfg: Any) -> list[str]:
+    """LoRA (peft installed; not under FSDP1), compilation (not under FSDP1) and Ulysses."""
+    from rlx.plugins.modeling.lora import INSTALL_HINT, peft_missing
+
+    problems = []
+    backend = cfg.backend.name
+    if cfg.model.lora_rank > 0:
+        if peft_missing():
+            problems.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA needs the peft package, which is not "
+                            f"installed. {INSTALL_HINT}")
+        if backend == "fsdp":
+            problems.append(f"model.lora_rank={cfg.model.lora_rank}: {LORA_FSDP1} Use backend.name=fsdp2 (or "
+                            "torch), or model.lora_rank=0.")
+    if backend == "fsdp":
+        for section in ("actor", "critic"):
+            if getattr(cfg, section).use_torch_compile:
+                problems.append(f"{section}.{COMPILE_FSDP1} Use backend.name=fsdp2 (or torch), or "
+                                f"{section}.use_torch_compile=false.")
+    problems.extend(ulysses_problems(cfg))
+    return problems
+
+
+def ulysses_problems(cfg: Any) -> list[str]:
+    """What the config alone shows to be wrong with ``ulysses_sequence_parallel_size`` (checked before any
+    process starts): the ``torch`` backend has no sequence parallelism, and Ulysses cuts packed rows. The
+    number of processes and the model's heads are checked by the workers (``torchrun`` sets the world
+    size, and the heads are in the model's config)."""
+    problems = []
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        size = section.ulysses_sequence_parallel_size
+        if size <= 1:
+            continue
+        option = f"{role}.ulysses_sequence_parallel_size={size}"
+        if cfg.backend.name == "torch":
+            problems.append(f"{option}: the torch backend has no sequence parallelism (every process holds whole "
+                            f"sequences). Use --backend fsdp2 (or fsdp) with a multiple of {size} processes, or "
+                            f"{role}.ulysses_sequence_parallel_size=1.")
+        if not section.use_remove_padding:
+            problems.append(f"{option}: Ulysses cuts packed sequences, but {role}.use_remove_padding is false. Set "
+                            f"{role}.use_remove_padding=true, or {role}.ulysses_sequence_parallel_size=1.")
+    return problems
