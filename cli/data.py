@@ -136,7 +136,7 @@ def _preference_problems(rows: list[Any], prompt_key: str, chosen_key: str, reje
         if pair is None:
             bad.append((i, problems))
         elif tok is not None and max_length is not None:
-            from rlx.plugins.reward_modeling.trainer import conversation_ids
+            from rlx.plugins.tasks.datasets import conversation_ids
 
             if max(len(conversation_ids(tok, pair.prompt, side)) for side in (pair.chosen, pair.rejected)) \
                     > max_length:

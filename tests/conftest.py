@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The tests mirror the source tree (tests/core, tests/plugins/<kind>, tests/cli, tests/e2e); some import
+# helpers of a test module in another folder (`from test_backend_torch import make_batch`).
+for _folder in sorted({str(p.parent) for p in Path(__file__).parent.rglob("test_*.py")}):
+    if _folder not in sys.path:
+        sys.path.append(_folder)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -36,7 +36,7 @@ def test_default_job_learns(tmp_path: Path) -> None:
     Greedy exact-match accuracy starts at chance (0.02 measured) and ended at 0.88-1.00 on seeds 1-5 of
     two machines (docs/benchmarks.md; seed 1, the default, 0.98 and 1.00); the training reward (exact
     match) rose from about 0.10 to 0.87-0.98. The thresholds sit far below those and far above chance.
-    This run is also the learning test of grpo (tests/test_algorithms_learn.py covers the others).
+    This run is also the learning test of grpo (tests/e2e/test_algorithms_learn.py covers the others).
     """
     result = rlx("train", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
 ACC = "val/rlx/arith/acc"
 # Steps, least final accuracy, least reward rise (mean of the last 10 steps minus the first 5).
-# grpo, the default, is tested on the whole default job (tests/test_trainer.py::test_default_job_learns).
+# grpo, the default, is tested on the whole default job (tests/core/test_trainer.py::test_default_job_learns).
 THRESHOLDS = {
     "rloo": (80, 0.4, 0.2),
     "reinforce_plus_plus": (80, 0.4, 0.2),
@@ -45,7 +45,8 @@ THRESHOLDS = {
     "remax": (120, 0.4, 0.2),
 }
 # Metrics each algorithm must report besides the common ones.
-# (The preset turns the reward's KL penalty off for every algorithm; tests/test_algorithms_trainer.py runs it.)
+# (The preset turns the reward's KL penalty off for every algorithm;
+# tests/plugins/algorithms/test_algorithms_trainer.py runs it.)
 EXTRA_METRICS = {
     "rloo": ["actor/kl_loss", "batch/equal_score_groups"],
     "reinforce_plus_plus": ["actor/kl_loss"],

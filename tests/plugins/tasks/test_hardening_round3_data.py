@@ -19,7 +19,7 @@ import pytest
 from test_hardening_config import assert_user_error
 
 from rlx.plugins.tasks import builtin
-from rlx.plugins.tasks.datasets import CHAT_ROLES
+from rlx.run.data import CHAT_ROLES
 
 ROLES = ", ".join(CHAT_ROLES)
 

@@ -6,7 +6,8 @@ over 2 ranks, checkpoints and resumes the actor, exports it, and trains a LoRA a
 parallelism (sp=2, one data-parallel rank); the tests compare with the single-process torch backend.
 
 Tolerances: the merged weights (base + alpha / rank * B @ A, computed in float32) and the metrics agree with
-the torch backend's to 1e-6 absolute and 1e-5 relative, as in ``tests/test_fsdp.py`` (the ranks add the same
+the torch backend's to 1e-6 absolute and 1e-5 relative, as in ``tests/plugins/backends/test_fsdp.py`` (the ranks add
+the same
 numbers in other orders); the reference log-probs (the adapter switched off) equal a plain frozen base's
 exactly when both score the same micro-batches, and to 1e-5 when the rows are grouped otherwise (the torch
 backend's one-process run, Ulysses' split sequences); a resumed run equals the uninterrupted one exactly.
@@ -46,7 +47,7 @@ METRIC_ATOL = 1e-7
 # AdamW divides by |gradient| + 1e-8, so on entries whose gradient is near 1e-8 an update can differ by up to
 # lr x 1e-10 / 1e-8 (measured: 1e-3 on merged weights after 4 steps at lr 1e-2). The Ulysses run therefore
 # trains at lr 1e-4 (merged weights then agree to 3e-8, 5e-6 on the first key projection, whose gradient
-# is partly rounding noise: see tests/test_fsdp.py) and its merged weights are compared to 1e-5.
+# is partly rounding noise: see tests/plugins/backends/test_fsdp.py) and its merged weights are compared to 1e-5.
 SP_METRIC_ATOL = 2e-5
 SP_LR, SP_ATOL = 1e-4, 1e-5
 LORA = {"rank": 4, "alpha": 16.0, "target_modules": "all-linear", "exclude_modules": [], "dropout": 0.0}

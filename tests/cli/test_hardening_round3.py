@@ -86,7 +86,7 @@ def _requires(dist: str) -> list[str]:
 
     if dist == "rlx":
         tomllib = pytest.importorskip("tomllib")
-        project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+        project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
         return list(project["dependencies"]) + [f"{r}; extra == {extra!r}" for extra, reqs in
                                                 project["optional-dependencies"].items() for r in reqs]
     try:
@@ -117,7 +117,7 @@ def test_the_dev_extra_brings_every_package_the_tests_skip_without_but_the_engin
     from packaging.utils import canonicalize_name
 
     wanted = set()
-    for path in Path(__file__).parent.glob("test_*.py"):
+    for path in Path(__file__).parents[1].rglob("test_*.py"):
         wanted |= {m.split(".")[0] for m in re.findall(r"importorskip\([\"']([\w.]+)[\"']", path.read_text())}
     wanted -= set(sys.stdlib_module_names) | ENGINES
     assert {"peft", "matplotlib", "tensorboard", "wandb", "mlflow"} <= wanted  # the test sees what it guards

@@ -24,7 +24,7 @@ from rlx.errors import UserError
 from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.registry import PluginManager
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONTRIB_LENGTH = REPO / "contrib" / "rlx-reward-length"
 RLX_VERSION = dist_version("rlx")
 BUILTINS = [("backend", "torch"), ("rollout", "hf"), ("algorithm", "grpo"), ("reward", "gsm8k"),

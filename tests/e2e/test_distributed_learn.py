@@ -1,9 +1,10 @@
 """The sharded backends learn the built-in task at 2 processes: `rlx train --backend fsdp2|fsdp --nproc 2`.
 
-The same job as tests/test_algorithms_learn.py (grpo, seed 1, 80 of the preset's 120 steps, greedy
+The same job as tests/e2e/test_algorithms_learn.py (grpo, seed 1, 80 of the preset's 120 steps, greedy
 exact-match accuracy on builtin:arith-test every 20 steps), but the actor and reference are sharded
 over 2 gloo processes, each generating half of the responses (scored on rank 0, the driver), and the
-update's gradients are reduced across them. tests/test_fsdp.py and tests/test_multiproc.py show that 1 and 2 processes
+update's gradients are reduced across them. tests/plugins/backends/test_fsdp.py and
+tests/plugins/launchers/test_multiproc.py show that 1 and 2 processes
 give the same update on the same data; this test shows that the whole loop at 2 processes (sharded
 rollout and validation, dispatch, weight sync into every rank's engine) still learns. Measured here
 (docs/benchmarks.md): accuracy at step 80 0.98 (fsdp2) and 0.95 (fsdp), 0.02 before training. The

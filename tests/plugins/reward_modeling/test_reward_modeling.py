@@ -315,7 +315,7 @@ def test_builtin_preference_set():
 
 
 def test_rm_then_ppo_example_logs_the_reward_model_component(tmp_path):
-    example = Path(__file__).resolve().parents[1] / "examples" / "rm_then_ppo.py"
+    example = Path(__file__).resolve().parents[3] / "examples" / "rm_then_ppo.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(example), "--out", str(tmp_path), "--rm-steps", "3", "--ppo-steps", "1"],
                           capture_output=True, text=True, env=env, timeout=900)

@@ -8,8 +8,8 @@ updated weights). The tiny model has 2 query heads and 1 key/value head, so sp=2
 key/value heads. Tolerance: float32 on the CPU; the split attention adds the same numbers in other orders,
 so log-probs and values agree to 1e-5 absolute, losses and gradient norms to 1e-5 relative (1e-6 absolute
 for metrics that are 0 up to rounding) and weights to 1e-6 absolute (1e-5 for the key projection's bias,
-whose gradient is rounding noise only, as in tests/test_fsdp.py, and for micro-batches cut by a token
-budget, as in tests/test_dynamic_batch.py). Bad sizes and settings end with a message
+whose gradient is rounding noise only, as in tests/plugins/backends/test_fsdp.py, and for micro-batches cut by a token
+budget, as in tests/plugins/backends/test_dynamic_batch.py). Bad sizes and settings end with a message
 (exit status 2 from ``rlx train``).
 """
 
@@ -48,7 +48,7 @@ EPOCHS, MINI, SEED = 2, 4, 7
 ATOL, RTOL = 1e-6, 1e-5
 NOISE_ONLY, NOISE_ATOL = "k_proj.bias", 1e-5
 # Micro-batches cut by tokens group other rows into each attention call: AdamW's first steps turn the
-# rounding of near-zero gradients into weight differences of about 1e-6 (tests/test_dynamic_batch.py
+# rounding of near-zero gradients into weight differences of about 1e-6 (tests/plugins/backends/test_dynamic_batch.py
 # allows 1e-5 for packed rows too).
 DYNAMIC_ATOL = 1e-5
 # The first epoch is on-policy: its ppo_kl is rounding noise around 0 (about 1e-7 either way).

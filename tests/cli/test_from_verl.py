@@ -304,7 +304,7 @@ def test_command_line_words_that_are_not_settings_are_skipped():
 def test_docs_list_every_key_the_translation_knows():
     from rlx.cli import from_verl
 
-    doc = (Path(__file__).parent.parent / "docs" / "from-verl.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "from-verl.md").read_text()
     keys = [*from_verl.DIRECT, *from_verl.SPECIAL, *from_verl.VERL_DEFAULTS, *from_verl.IGNORED]
     missing = [k for k in keys if f"`{k}`" not in doc and f"`{k}*`" not in doc]
     assert missing == []

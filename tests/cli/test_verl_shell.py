@@ -230,7 +230,7 @@ def test_ulysses_in_a_script_picks_the_fsdp2_backend_and_validation_top_p_maps()
 
 
 # -- verl's own launch scripts (tests/data/verl_scripts, Apache-2.0) ---------------------------------------
-SCRIPTS = Path(__file__).parent / "data" / "verl_scripts"
+SCRIPTS = Path(__file__).parents[1] / "data" / "verl_scripts"
 # What each script gives: a config rlx validates, or the verl keys it stops on (features rlx lacks).
 EXPECTED = {
     "grpo_trainer__run_qwen2-7b.sh": "valid",

@@ -72,6 +72,9 @@ POOL_RUN = textwrap.dedent('''
         os._exit(0)  # as the CLI does after torch.distributed was used
 ''')
 
+# Every folder of the test tree: the scripts these tests run import helpers of other test modules.
+TEST_DIRS = sorted({str(p.parent) for p in Path(__file__).parents[2].rglob("test_*.py")})
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [
@@ -314,7 +317,7 @@ BALANCED_UPDATE = textwrap.dedent('''
     import os, sys
     from functools import partial
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     from test_backend_torch import make_batch, grpo_loss
     from rlx.plugins.tasks import builtin
     from rlx.context import BuildContext
@@ -377,7 +380,7 @@ def test_balanced_ranks_give_the_one_process_log_probs_and_update(tmp_path: Path
     from transformers import AutoModelForCausalLM
 
     script = tmp_path / "balanced_update.py"
-    script.write_text(BALANCED_UPDATE.format(tests=str(Path(__file__).parent)))
+    script.write_text(BALANCED_UPDATE.format(tests=TEST_DIRS))
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"n{nproc}"

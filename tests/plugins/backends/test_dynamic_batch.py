@@ -5,7 +5,8 @@ user error.
 
 Tolerances: padded rows repeat the same float32 sums in any grouping, so weights after an AdamW step agree to
 1e-6 (lr 1e-3) and gradient norms to 1e-5 relative; over 2 processes the gradient is also summed over
-ranks: 1e-6 as in tests/test_fsdp.py, 1e-5 for the key projection's bias (its gradient is rounding noise
+ranks: 1e-6 as in tests/plugins/backends/test_fsdp.py,
+    1e-5 for the key projection's bias (its gradient is rounding noise
 only).
 """
 

@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 TINY = ["--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false"]
 
+# Every folder of the test tree: the scripts these tests run import helpers of other test modules.
+TEST_DIRS = sorted({str(p.parent) for p in Path(__file__).parents[2].rglob("test_*.py")})
+
 
 def rlx(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -59,7 +62,7 @@ SAME_UPDATE = textwrap.dedent('''
     import json, sys
     from functools import partial
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     from test_backend_torch import make_batch, grpo_loss
     from rlx.plugins.tasks import builtin
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
@@ -100,7 +103,7 @@ def test_two_processes_give_the_same_update_as_one(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     script = tmp_path / "same_update.py"
-    script.write_text(SAME_UPDATE.format(tests=str(Path(__file__).parent)))
+    script.write_text(SAME_UPDATE.format(tests=TEST_DIRS))
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"n{nproc}"

@@ -12,7 +12,7 @@ from rlx.cli.scaffold import rlx_requirement
 
 tomllib = pytest.importorskip("tomllib")
 requirements = pytest.importorskip("packaging.requirements")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rlx_dependency(pyproject: Path):
