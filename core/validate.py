@@ -248,8 +248,8 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
 
 def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
     """What the environment and the chosen backend must offer for this config: the backend's own checks (its
-    component's ``extra["config_problems"]``, a function of the config: LoRA, compilation, sequence parallelism)
-    and the attention implementation's."""
+    component's ``extra["config_problems"]``, a function of the config: LoRA, compilation, sequence parallelism,
+    the attention implementation)."""
     from rlx.components import resolve as resolve_ref
     from rlx.registry import get_plugin_manager
 
@@ -258,30 +258,7 @@ def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
     check = component.extra.get("config_problems") if component is not None else None
     if check is not None:
         problems.extend(resolve_ref(check)(cfg))
-    problems.extend(attention_problems(cfg.backend.options(), cfg.trainer.device))
     return problems
-
-
-def attention_problems(backend_options: dict[str, Any], device: str, prefix: str = "backend") -> list[str]:
-    """``attn_implementation=flash_attention_2`` where it cannot load: without the flash-attn package, or
-    without a CUDA GPU (transformers would raise an ImportError while loading the model)."""
-    if backend_options.get("attn_implementation") != "flash_attention_2":
-        return []
-    lacking = []
-    if importlib.util.find_spec("flash_attn") is None:
-        lacking.append("the flash-attn package is not installed")
-    if device == "cpu":
-        lacking.append("trainer.device is cpu")
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            lacking.append("no CUDA GPU is available")
-    if not lacking:
-        return []
-    return [f"{prefix}.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA GPU, but "
-            f"{' and '.join(lacking)}. Use {prefix}.attn_implementation=sdpa (the default, which also packs "
-            "sequences), or install flash-attn (pip install flash-attn) on a machine with a CUDA GPU."]
 
 
 def _core_keys(section: str) -> list[str]:

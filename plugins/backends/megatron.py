@@ -47,6 +47,7 @@ from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import DispatchInfo, LossFn, RoleSpec
+from rlx.registry import Requirement
 
 if TYPE_CHECKING:
     import torch
@@ -888,6 +889,9 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
     return MegatronBackend(options, device, settings)
 
 
+MEGATRON_INSTALL = "pip install 'rlx[megatron]' (megatron-core and mbridge)"
+
+
 @hookimpl
 def rlx_train_backends() -> list[Component]:
     # rlx export reads the distributed checkpoints on the CPU without building the backend (extra's key
@@ -896,4 +900,6 @@ def rlx_train_backends() -> list[Component]:
                       summary="megatron-core GPT models (Qwen2, Llama): tensor and pipeline parallelism, "
                               "bf16 with fp32 master weights, distributed checkpoints; GPUs only.",
                       extra={**CONFIG_PROBLEMS,
+                             "requires": [Requirement("megatron.core", "megatron-core", MEGATRON_INSTALL),
+                                          Requirement("mbridge", "mbridge", MEGATRON_INSTALL)],
                              "export_checkpoint": "rlx.plugins.backends.megatron_convert:export_checkpoint"})]

@@ -55,6 +55,7 @@ from rlx.plugins.launchers.local import (
     balanced_roles,
     weights_group,
 )
+from rlx.registry import Requirement
 
 MAX_WORKERS = 4096
 
@@ -483,4 +484,5 @@ def build(options: RayOptions | None, ctx: BuildContext) -> RayLauncher:
 def rlx_launchers() -> list[Component]:
     return [Component(kind="launcher", name="ray", factory=build, config_model=RayOptions,
                       summary="Workers in Ray actors, on a local Ray instance or a running cluster (many nodes): "
-                      "one placement group, torch.distributed among the actors (pip install 'rlx[ray]').")]
+                      "one placement group, torch.distributed among the actors (pip install 'rlx[ray]').",
+                      extra={"requires": [Requirement("ray", "ray", "pip install 'rlx[ray]'")]})]

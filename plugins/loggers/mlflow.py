@@ -37,6 +37,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, flatten, numbers, read_run_id, sample_columns, save_run_id
+from rlx.registry import Requirement
 
 log = logging.getLogger(__name__)
 
@@ -209,4 +210,5 @@ def read_store(uri: str, run_id: str | None = None) -> dict[str, Any]:
 @hookimpl
 def rlx_loggers() -> list[Component]:
     return [Component(kind="logger", name="mlflow", factory=build, config_model=MlflowOptions,
-                      summary="Logs to MLflow: a local store in the run folder, or a tracking server.")]
+                      summary="Logs to MLflow: a local store in the run folder, or a tracking server.",
+                      extra={"requires": [Requirement("mlflow", "mlflow", "pip install 'rlx[mlflow]'")]})]

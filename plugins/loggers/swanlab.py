@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
+from rlx.registry import Requirement
 from rlx.run.files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
@@ -254,4 +255,5 @@ def read_offline_run(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, 
 @hookimpl
 def rlx_loggers() -> list[Component]:
     return [Component(kind="logger", name="swanlab", factory=build, config_model=SwanlabOptions,
-                      summary="Logs to SwanLab: to the cloud when logged in, else offline to sync later.")]
+                      summary="Logs to SwanLab: to the cloud when logged in, else offline to sync later.",
+                      extra={"requires": [Requirement("swanlab", "swanlab", "pip install 'rlx[swanlab]'")]})]

@@ -23,6 +23,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, sample_columns
+from rlx.registry import Requirement
 from rlx.run.files import folder_option_problem, logger_folder
 
 
@@ -139,4 +140,6 @@ def read_event_files(logdir: str | os.PathLike[str]) -> dict[str, list[tuple[int
 @hookimpl
 def rlx_loggers() -> list[Component]:
     return [Component(kind="logger", name="tensorboard", factory=build, config_model=TensorboardOptions,
-                      summary="Writes TensorBoard event files (metrics, config, samples) in the run folder.")]
+                      summary="Writes TensorBoard event files (metrics, config, samples) in the run folder.",
+                      extra={"requires": [Requirement("tensorboard", "tensorboard",
+                                                      "pip install 'rlx[tensorboard]'")]})]

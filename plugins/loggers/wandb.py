@@ -34,6 +34,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, require
 from rlx.plugins.loggers._common import cell, numbers, read_run_id, sample_columns, save_run_id
+from rlx.registry import Requirement
 from rlx.run.files import folder_option_problem, logger_folder
 
 log = logging.getLogger(__name__)
@@ -262,4 +263,5 @@ def read_offline_run(path: str | os.PathLike[str]) -> dict[str, Any]:
 @hookimpl
 def rlx_loggers() -> list[Component]:
     return [Component(kind="logger", name="wandb", factory=build, config_model=WandbOptions,
-                      summary="Logs to Weights & Biases: online when logged in, else offline to sync later.")]
+                      summary="Logs to Weights & Biases: online when logged in, else offline to sync later.",
+                      extra={"requires": [Requirement("wandb", "wandb", "pip install 'rlx[wandb]'")]})]

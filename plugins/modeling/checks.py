@@ -4,6 +4,7 @@ train``): LoRA needs peft, what FSDP1 lacks, and what Ulysses sequence paralleli
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 # Why LoRA stays refused under FSDP1 (config_problems says the same before a run starts).
@@ -18,7 +19,7 @@ CONFIG_PROBLEMS = {"config_problems": "rlx.plugins.modeling.checks:config_proble
 
 
 def config_problems(cfg: Any) -> list[str]:
-    """LoRA (peft installed; not under FSDP1), compilation (not under FSDP1) and Ulysses."""
+    """LoRA (peft installed; not under FSDP1), compilation (not under FSDP1), Ulysses and flash-attn."""
     from rlx.plugins.modeling.lora import INSTALL_HINT, peft_missing
 
     problems = []
@@ -36,6 +37,7 @@ def config_problems(cfg: Any) -> list[str]:
                 problems.append(f"{section}.{COMPILE_FSDP1} Use backend.name=fsdp2 (or torch), or "
                                 f"{section}.use_torch_compile=false.")
     problems.extend(ulysses_problems(cfg))
+    problems.extend(attention_problems(cfg.backend.options(), cfg.trainer.device))
     return problems
 
 
@@ -59,3 +61,25 @@ def ulysses_problems(cfg: Any) -> list[str]:
             problems.append(f"{option}: Ulysses cuts packed sequences, but {role}.use_remove_padding is false. Set "
                             f"{role}.use_remove_padding=true, or {role}.ulysses_sequence_parallel_size=1.")
     return problems
+
+
+def attention_problems(backend_options: dict[str, Any], device: str, prefix: str = "backend") -> list[str]:
+    """``attn_implementation=flash_attention_2`` where it cannot load: without the flash-attn package, or
+    without a CUDA GPU (transformers would raise an ImportError while loading the model)."""
+    if backend_options.get("attn_implementation") != "flash_attention_2":
+        return []
+    lacking = []
+    if importlib.util.find_spec("flash_attn") is None:
+        lacking.append("the flash-attn package is not installed")
+    if device == "cpu":
+        lacking.append("trainer.device is cpu")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            lacking.append("no CUDA GPU is available")
+    if not lacking:
+        return []
+    return [f"{prefix}.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA GPU, but "
+            f"{' and '.join(lacking)}. Use {prefix}.attn_implementation=sdpa (the default, which also packs "
+            "sequences), or install flash-attn (pip install flash-attn) on a machine with a CUDA GPU."]

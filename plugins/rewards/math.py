@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
 from rlx.protocols import RewardBatch, RewardOutput
+from rlx.registry import Requirement
 from rlx.run.answers import last_boxed
 
 from ._compose import with_answers
@@ -216,4 +217,6 @@ def build(options: MathOptions | None, ctx: BuildContext | None) -> Callable[[Re
 def rlx_rewards() -> list[Component]:
     return [Component(kind="reward", name="math", factory=build, config_model=MathOptions,
                       summary="Boxed-answer math: last \\boxed{} vs the ground truth, equivalence by math-verify "
-                              "when installed.")]
+                              "when installed.",
+                      extra={"requires": [Requirement("math_verify", "math-verify", "pip install 'rlx[math]'",
+                                                      when=("backend", "math_verify"))]})]

