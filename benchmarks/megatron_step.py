@@ -119,9 +119,9 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
     import torch
     import torch.distributed as dist
 
+    from rlx.dispatch import shard
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
     from rlx.plugins.backends.megatron import MegatronOptions, MegatronWorker
-    from rlx.plugins.launchers.local import shard
     from rlx.protocols import RoleSpec
 
     os.environ["LOCAL_RANK"] = str(rank)

@@ -438,7 +438,7 @@ def run(args: list[str] | None = None) -> None:
 
 
 def _used_torch_distributed() -> bool:
-    local = sys.modules.get("rlx.plugins.launchers.local")
+    local = sys.modules.get("rlx.plugins.launchers._process")
     if local is not None and getattr(local, "PROCESS_GROUP_USED", False):
         return True
     dist = sys.modules.get("torch.distributed")

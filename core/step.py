@@ -133,35 +133,6 @@ def run_forward(engine: StepEngine, batch: Batch, size: int, fn: Callable[[Batch
     return out
 
 
-def balanced_order(batch: Batch, parts: int) -> list[int] | None:
-    """The order of ``batch``'s rows after which ``chunk(parts)`` gives every data-parallel rank as many rows
-    as it gives now, with nearly equal token counts (:func:`row_tokens`): each row, heaviest first, goes to
-    the rank with the fewest tokens that still has room, so the ranks' totals differ by at most about the
-    longest row. Rows keep their order within a rank. None when there is nothing to balance: one rank, no
-    more rows than ranks, or no prompt and response masks to count tokens by."""
-    n = len(batch)
-    if parts <= 1 or n <= parts or "prompt_mask" not in batch or "response_mask" not in batch:
-        return None
-    tokens = row_tokens(batch)
-    room = [n * (r + 1) // parts - n * r // parts for r in range(parts)]
-    load = [0] * parts
-    ranks: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
-        r = min((r for r in range(parts) if room[r]), key=lambda r: (load[r], r))
-        ranks[r].append(i)
-        load[r] += tokens[i]
-        room[r] -= 1
-    return [i for rows in ranks for i in sorted(rows)]
-
-
-def balance_for_ranks(batch: Batch, parts: int) -> Batch:
-    """``batch``'s rows in :func:`balanced_order` (``batch`` itself when there is nothing to balance). For an
-    update the order of a mini-batch's rows does not change its gradient (the loss is a sum over rows with
-    global counts), up to the order of float additions."""
-    order = balanced_order(batch, parts)
-    return batch if order is None else batch.index(order)
-
-
 def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
     """The forward-pass settings of a role (``RoleSpec.extra`` keys) from the config: packing, the
     chunked head, token budgets, compilation, the trained weights' dtype and LoRA. The reference scores like the actor's

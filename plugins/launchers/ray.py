@@ -41,18 +41,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
+from rlx.dispatch import balanced_roles
 from rlx.errors import UserError, describe_exception, require
-from rlx.plugins.launchers.local import (
+from rlx.plugins.launchers._process import (
     ROLLOUT_ROLES,
+    Host,
     Layout,
     LocalWorkerGroup,
+    PhaseSwitch,
     ProcessWorkerGroup,
     Where,
-    _Host,
-    _PhaseSwitch,
-    _prepare,
-    _set_up_process,
-    balanced_roles,
+    prepare_process,
+    set_up_process,
     weights_group,
 )
 from rlx.registry import Requirement
@@ -102,7 +102,7 @@ class _Failure:
     message: str
 
 
-class _RayHost(_Host):
+class _RayHost(Host):
     """The workers living in one Ray actor. Commands come from the driver through Ray, not through a gloo
     group of their own, so only ``execute`` of the local launcher's host is used (same commands, same
     behaviour: build, call, call_all, sync, close)."""
@@ -136,9 +136,9 @@ class _RayHost(_Host):
             os.environ["LOCAL_RANK"] = "0"
             layout = self.layout
             if layout.in_rollout_pool(self.rank):
-                use_cuda = _prepare(self.rank, self.device, self.threads)
+                use_cuda = prepare_process(self.rank, self.device, self.threads)
             else:
-                _set_up_process(self.rank, layout.train, f"tcp://{master_addr}:{master_port}", self.timeout_s,
+                set_up_process(self.rank, layout.train, f"tcp://{master_addr}:{master_port}", self.timeout_s,
                                 self.device, self.threads)
                 use_cuda = dist.get_backend() == "nccl"
             if layout.rollout and (self.rank == 0 or layout.in_rollout_pool(self.rank)):
@@ -175,7 +175,7 @@ def _failure(exc: BaseException) -> _Failure:
     return _Failure(False, describe_exception(exc))
 
 
-class RayLauncher(_PhaseSwitch):
+class RayLauncher(PhaseSwitch):
     """Ray actors as the workers (see the module doc); this process drives and is not a rank."""
 
     balanced_roles: frozenset[str] = frozenset()  # local.balanced_roles(); set from the config by build()

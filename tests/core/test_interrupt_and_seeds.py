@@ -119,7 +119,7 @@ def test_each_engine_of_a_rollout_pool_samples_with_its_own_seed(ctx: BuildConte
     that rank. (vLLM and SGLang are optional: the engines' arguments are checked, not the engines.)"""
     from functools import partial
 
-    from rlx.plugins.launchers.local import Layout, _Host
+    from rlx.plugins.launchers._process import Host, Layout
     from rlx.trainer import _call_factory
 
     options = plugin.VLLMRolloutOptions() if plugin is vllm_plugin else plugin.SGLangRolloutOptions()
@@ -127,7 +127,7 @@ def test_each_engine_of_a_rollout_pool_samples_with_its_own_seed(ctx: BuildConte
     layout = Layout(train, rollout)
     seeds = []
     for rank in layout.ranks("rollout"):
-        host = _Host(rank, layout, control=None)
+        host = Host(rank, layout, control=None)
         host.execute(("build", "rollout", builder), None)
         seeds.append(host.roles["rollout"]["seed"])
     assert seeds == [7 + r for r in range(rollout or train)]

@@ -182,8 +182,8 @@ def _fsdp2_rank(rank: int, world: int, port: int, path: str, batch: Any, out: st
 
     import torch.distributed as dist
 
+    from rlx.dispatch import shard
     from rlx.plugins.backends.fsdp import FSDP2Options, FSDPWorker
-    from rlx.plugins.launchers.local import shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -25,9 +25,9 @@ from test_fsdp import free_port
 
 from rlx.batch import Batch
 from rlx.config import validate
+from rlx.dispatch import shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
-from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 from rlx.step import _token_bins, balance_for_ranks, role_settings, row_tokens
 

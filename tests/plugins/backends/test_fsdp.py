@@ -1,7 +1,7 @@
 """The ``fsdp2`` and ``fsdp`` backends on 2 gloo processes (CPU, float32) against the ``torch`` backend in one.
 
 One run per engine (a module fixture) does the work on 2 ranks, each rank getting
-``rlx.plugins.launchers.local.shard(data, 2)[rank]`` as a launcher would give it, and on one rank in this
+``rlx.dispatch.shard(data, 2)[rank]`` as a launcher would give it, and on one rank in this
 process (a one-rank group that the backend initialises itself); the tests compare the results with the
 single-process ``torch`` backend on the same data. Tolerance: float32 on the CPU; the sharded and the plain
 model add the same numbers in different orders (gradient sums over ranks, norms over shards), so weights
@@ -25,10 +25,10 @@ import torch
 from test_backend_torch import critic_batch, grpo_loss, make_batch
 
 from rlx.batch import Batch
+from rlx.dispatch import shard
 from rlx.errors import UserError
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
-from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
 pytestmark = pytest.mark.multiproc

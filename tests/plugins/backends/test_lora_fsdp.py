@@ -25,10 +25,10 @@ import torch
 from test_backend_torch import critic_batch, make_batch
 from test_fsdp import SCHEDULE, actor_loss, free_port, fsdp_worker, minibatches, ref_spec, state
 
+from rlx.dispatch import shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
-from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
 pytest.importorskip("peft")

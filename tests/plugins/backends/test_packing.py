@@ -22,6 +22,7 @@ from test_backend_torch import critic_batch, grpo_loss, make_batch
 from test_fsdp import free_port
 
 from rlx.batch import Batch
+from rlx.dispatch import shard
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import (
     TorchBackendOptions,
@@ -30,7 +31,6 @@ from rlx.plugins.backends.torch_local import (
     response_log_probs,
     response_values,
 )
-from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
 ATOL = 2e-5

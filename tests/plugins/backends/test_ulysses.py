@@ -30,10 +30,10 @@ from test_fsdp import free_port, state
 from test_fsdp import fsdp_worker as make_fsdp_worker
 
 from rlx.batch import Batch
+from rlx.dispatch import shard
 from rlx.errors import UserError
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
-from rlx.plugins.launchers.local import shard
 from rlx.protocols import RoleSpec
 
 pytestmark = pytest.mark.multiproc

@@ -276,7 +276,7 @@ def test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_orde
     every row goes to exactly one rank, the ranks' token totals differ by at most the longest row (the
     greedy's bound: a rank takes a row only while it is the lightest with room), and the results come back
     bit for bit in the original order."""
-    from rlx.plugins.launchers.local import balance, gather, shard, unbalance
+    from rlx.dispatch import balance, gather, shard, unbalance
     from rlx.step import row_tokens
 
     for seed in range(8):
@@ -299,7 +299,7 @@ def test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_orde
 
 
 def test_roles_are_balanced_under_dynamic_batch_sizes_only() -> None:
-    from rlx.plugins.launchers.local import balanced_roles
+    from rlx.dispatch import balanced_roles
     from rlx.registry import get_plugin_manager
     from rlx.validate import load_config
 
