@@ -8,11 +8,17 @@ backward pass costs twice the forward, so a training pass is 3 x the forward.
 
 The peak rate is the dense bf16 matrix rate of the device's datasheet (no sparsity), looked up by the
 name CUDA reports; an unknown device gives no MFU (set ``trainer.peak_tflops`` to supply one).
+
+:func:`read_metrics` reads a run's step metrics back (the ``jsonl`` logger's ``metrics.jsonl``), for
+``rlx replay``, ``rlx plot`` and tests.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 # Dense bf16 tensor-core TFLOP/s from the vendors' datasheets (SXM parts; the PCIe H100 is lower).
@@ -67,3 +73,39 @@ def mfu_metrics(counter: FlopsCounter, lengths: Iterable[int], times: Mapping[st
         if seconds:
             out[f"perf/mfu/{stage}"] = n * fwd / seconds / (devices * peak * 1e12)
     return out
+
+
+def read_metrics(path: str | os.PathLike[str], dedupe: bool = False) -> list[dict[str, Any]]:
+    """Read a file written by the ``jsonl`` logger: one dict per logged step, in file order.
+
+    ``path`` is the ``.jsonl`` file, or a run's output folder (then its ``metrics.jsonl`` is read).
+    Values are as stored: floats, or None where the metric was NaN or infinite. Blank lines are
+    skipped, and so is a last line cut short by a crash; any other malformed line is an error.
+    With ``dedupe=True`` only the last record of each step is kept (files written by rlx 0.1.0 could
+    hold a step twice after a resume) and the result is sorted by step.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    lines = p.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:  # the line being written when the run died
+                break
+            raise ValueError(f"{p}:{i + 1}: not a JSON object: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ValueError(f"{p}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
+        records.append(obj)
+    if dedupe:
+        by_step: dict[Any, dict[str, Any]] = {}
+        for rec in records:
+            by_step[rec.get("step")] = rec
+        records = sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+    return records

@@ -181,42 +181,6 @@ class JsonlLogger:
         """Nothing to close: every line is already written."""
 
 
-def read_metrics(path: str | os.PathLike[str], dedupe: bool = False) -> list[dict[str, Any]]:
-    """Read a file written by the ``jsonl`` logger: one dict per logged step, in file order.
-
-    ``path`` is the ``.jsonl`` file, or a run's output folder (then its ``metrics.jsonl`` is read).
-    Values are as stored: floats, or None where the metric was NaN or infinite. Blank lines are
-    skipped, and so is a last line cut short by a crash; any other malformed line is an error.
-    With ``dedupe=True`` only the last record of each step is kept (files written by rlx 0.1.0 could
-    hold a step twice after a resume) and the result is sorted by step.
-    """
-    p = Path(path)
-    if p.is_dir():
-        p = p / "metrics.jsonl"
-    lines = p.read_text(encoding="utf-8").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    records: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:  # the line being written when the run died
-                break
-            raise ValueError(f"{p}:{i + 1}: not a JSON object: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise ValueError(f"{p}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
-        records.append(obj)
-    if dedupe:
-        by_step: dict[Any, dict[str, Any]] = {}
-        for rec in records:
-            by_step[rec.get("step")] = rec
-        records = sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
-    return records
-
-
 def build(options: JsonlOptions | None, ctx: BuildContext) -> JsonlLogger:
     options = options or JsonlOptions()
     out = Path(ctx.run.output_dir)

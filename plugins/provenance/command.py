@@ -69,8 +69,8 @@ def _read_config(run: Path) -> tuple[Path, dict[str, Any]]:
 def read_recorded_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a run's metrics file, each with an integer ``step``; a :class:`UserError` naming the
     file and line otherwise (read before the replay trains, so a damaged file costs no training)."""
-    from rlx.plugins.loggers.jsonl import read_metrics
     from rlx.run.files import printable
+    from rlx.run.metrics import read_metrics
 
     try:
         with open(path, "rb") as f:
@@ -179,7 +179,7 @@ def replay_command(
     resolved = load_config(pm, config_file=[str(config_path)], overrides=overrides, check_files=True,
                            check_run_dir=True)
     _quiet_libraries()
-    from rlx.plugins.loggers.jsonl import read_metrics
+    from rlx.run.metrics import read_metrics
     from rlx.trainer import Trainer
 
     trainer = Trainer(resolved, pm)
