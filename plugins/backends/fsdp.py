@@ -581,7 +581,7 @@ class FSDPWorker(TorchWorker):
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`named_weights` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
-        from rlx.plugins.launchers.weight_sync import buckets
+        from rlx.plugins.modeling.weights import buckets
 
         yield from buckets(self.named_weights(), bucket_bytes)
 

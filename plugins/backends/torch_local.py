@@ -588,7 +588,7 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
     """
     import torch
 
-    from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
+    from rlx.plugins.modeling.logits import entropy_from_logits, log_probs_from_logits
 
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()

@@ -244,8 +244,8 @@ class SequenceParallel:
         rank's slice (the chunked head included) and gathered: (b, R) log-probs and entropies."""
         import torch
 
-        from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
         from rlx.plugins.backends.torch_local import _accepts, _head_replaced, fused_head_supported, unpack
+        from rlx.plugins.modeling.logits import entropy_from_logits, log_probs_from_logits
 
         mask = batch["response_mask"].bool()
         inputs, keep, counts = self.shard(batch)

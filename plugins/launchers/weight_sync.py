@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlx.errors import UserError
+from rlx.plugins.modeling.weights import _nbytes, buckets
 
 if TYPE_CHECKING:
     import torch
@@ -60,25 +61,6 @@ class SyncStats:
 def bucket_bytes(size_mb: float) -> int:
     """``launcher.bucket_size_mb`` in bytes (at least one)."""
     return max(1, int(size_mb * 2**20))
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of ``named`` of at most ``limit`` bytes; a tensor larger than ``limit`` alone."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        n = _nbytes(tensor)
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += n
-    if bucket:
-        yield bucket
 
 
 def _stream(named: Iterable[tuple[str, torch.Tensor]], limit: int,
