@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from rlx.plugins.modeling.logits import entropy_from_logits, log_probs_from_logits
+from rlx.plugins.modeling.logits import entropy_from_logits as entropy_from_logits
+from rlx.plugins.modeling.logits import log_probs_from_logits as log_probs_from_logits
 
 __all__ = [
     "KL_ESTIMATORS",

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from rlx import Component, hookimpl
 from rlx.context import BuildContext
 from rlx.run.files import check_run_folder_links, open_append_nofollow, plain_name_problem, write_private
+from rlx.run.metrics import read_metrics as read_metrics  # this logger's files read back (replay, plot, tests)
 
 _RESERVED = ("step", "time")
 

@@ -479,7 +479,7 @@ def evaluate_reward_model(path: str, files: list[str], data: RMDataConfig, *, ba
     """Pairwise accuracy of the reward model at ``path`` on held-out pairs, scored by the ``reward_model``
     reward's own code (its tokenizer, chat template, truncation and last-token logit): the numbers hold for
     the scores PPO will see."""
-    from rlx.plugins.rewards.reward_model import RewardModelOptions, RewardModelScorer
+    from rlx.plugins.modeling.reward_model import RewardModelOptions, RewardModelScorer
 
     pairs = read_pairs(files, data, "--data")
     try:

@@ -14,7 +14,7 @@ import torch
 
 from rlx.errors import UserError
 from rlx.plugins.loggers.jsonl import read_metrics
-from rlx.plugins.rewards.reward_model import PromptUnwrapper, RewardModelOptions, RewardModelScorer
+from rlx.plugins.modeling.reward_model import PromptUnwrapper, RewardModelOptions, RewardModelScorer
 from rlx.plugins.tasks.builtin import build_tokenizer, resolve
 from rlx.protocols import RewardBatch
 
