@@ -25,11 +25,11 @@ from test_fsdp import free_port
 
 from rlx.batch import Batch
 from rlx.config import validate
-from rlx.dispatch import shard
+from rlx.dispatch import balance_for_ranks, shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.step import _token_bins, balance_for_ranks, role_settings, row_tokens
+from rlx.step import _token_bins, role_settings, row_tokens
 
 BUDGET = 25  # tokens per micro-batch: the test batch's rows hold 7 to 14 tokens, 84 in all
 WORLD = 2
