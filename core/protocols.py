@@ -105,10 +105,20 @@ class RoleSpec:
 
 @runtime_checkable
 class TrainWorker(Protocol):
-    """One role's model on one process: computes log-probs and values, and trains."""
+    """One role's model on one process: computes log-probs and values, and trains. The controller calls
+    these through its worker groups, by method reference (``group.call(TrainWorker.compute_log_probs, batch)``),
+    so a method renamed here is an error at the call, not a silent miss."""
+
+    def dispatch_info(self) -> DispatchInfo:
+        """This worker's data-parallel rank and group size, and whether its results are collected. A worker
+        without it is its own data-parallel rank."""
 
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Return a batch with ``log_probs`` (B, R) (and ``entropy`` (B, R) if asked)."""
+
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """With LoRA: the reference's ``log_probs`` (B, R), the actor's base with its adapter switched off (no
+        reference worker is built)."""
 
     def compute_values(self, batch: Batch) -> Batch:
         """Critic only (``RoleSpec.value_head``): a batch with ``values`` (B, R), 0 at padding.
@@ -117,8 +127,9 @@ class TrainWorker(Protocol):
         response tokens 0..t-1): the same position whose logits give the log-prob of token t.
         """
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on a mini-batch, split into micro-batches with gradient accumulation."""
+    def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch (this rank's rows of each), accumulating over micro-batches
+        (``rlx.step.run_update``); one metrics dict per step."""
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors for the rollout engine, named as in the Hugging Face model."""
@@ -127,32 +138,67 @@ class TrainWorker(Protocol):
 
     def load_checkpoint(self, path: str) -> None: ...
 
-    def save_pretrained(self, path: str) -> None:
-        """Write the model (and tokenizer) in Hugging Face format."""
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        """Write the model (and ``tokenizer``, when given) in Hugging Face format."""
+
+
+@runtime_checkable
+class RewardScorer(Protocol):
+    """The reward role's worker (:class:`rlx.run.reward_worker.RewardWorker`): scores a batch of rollouts."""
+
+    def score(self, batch: Batch) -> Batch:
+        """``scores`` (B,) and ``token_level_scores`` (B, R), and the reward's own metrics columns."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Algorithm
+@dataclass(frozen=True)
+class AlgorithmNeeds:
+    """What an algorithm asks of the trainer, as data (the trainer reads this, never an algorithm's name).
+
+    ``ref``: a reference model's ``ref_log_probs``; ``critic``: a critic's ``values`` (and its update with
+    ``value_loss_fn()``); ``greedy_baseline``: one greedy response per prompt, scored, as ``baseline_scores``
+    (B,) and ``baseline_response_length``; ``filter_groups``: dynamic sampling through ``keep_rows(batch)``
+    until ``data.train_batch_size`` prompts' groups are kept or ``max_gen_batches`` generation batches were
+    drawn (0: one pass over the data); ``old_from_update``: the loss can take the old log-probs from the
+    update's own first forward pass (detached), so the trainer may skip that pass when a step is on-policy.
+    """
+
+    ref: bool = False
+    critic: bool = False
+    greedy_baseline: bool = False
+    filter_groups: bool = False
+    max_gen_batches: int = 0
+    old_from_update: bool = False
+
+
+def needs_of(algorithm: Any) -> AlgorithmNeeds:
+    """``algorithm.needs``; for an algorithm written against rlx 0.1 (attributes ``needs_ref``,
+    ``needs_critic``, ``needs_greedy_baseline``, ``filter_groups``, ``max_num_gen_batches``,
+    ``old_log_probs_from_update``), the same read from those."""
+    needs = getattr(algorithm, "needs", None)
+    if isinstance(needs, AlgorithmNeeds):
+        return needs
+    return AlgorithmNeeds(ref=bool(getattr(algorithm, "needs_ref", False)),
+                          critic=bool(getattr(algorithm, "needs_critic", False)),
+                          greedy_baseline=bool(getattr(algorithm, "needs_greedy_baseline", False)),
+                          filter_groups=bool(getattr(algorithm, "filter_groups", False)),
+                          max_gen_batches=int(getattr(algorithm, "max_num_gen_batches", 0)),
+                          old_from_update=bool(getattr(algorithm, "old_log_probs_from_update", False)))
+
+
 @runtime_checkable
 class Algorithm(Protocol):
     """An RL algorithm: advantages from rewards, and the losses that use them.
 
-    Besides the members below, the trainer reads these optional ones (with the defaults shown) when
-    an algorithm has them:
-
-    - ``needs_greedy_baseline: bool = False``: generate one greedy response per prompt, score it,
-      and put its score in ``baseline_scores`` (B,) (and its length in ``baseline_response_length``).
-    - ``value_loss_fn() -> LossFn``: the critic's loss; called when ``needs_critic``.
-    - ``filter_groups: bool = False`` and ``keep_rows(batch) -> torch.Tensor``: dynamic sampling;
-      ``keep_rows`` gives a (B,) bool mask of the rows worth training on (whole groups), and the
-      trainer keeps generating until ``data.train_batch_size`` prompts' groups are kept or
-      ``max_num_gen_batches: int`` (0 = no limit) generation batches were drawn.
-    - ``state_dict() -> dict`` / ``load_state_dict(dict)``: state saved in checkpoints (e.g. an
-      adaptive KL coefficient); must be JSON-serialisable.
+    ``needs`` says what the trainer must provide (:class:`AlgorithmNeeds`). Besides the members below, an
+    algorithm that needs a critic has ``value_loss_fn() -> LossFn``, one that filters groups
+    ``keep_rows(batch) -> torch.Tensor`` (a (B,) bool mask of the rows worth training on, whole groups), and
+    one with state saved in checkpoints (an adaptive KL coefficient) ``state_dict() -> dict`` /
+    ``load_state_dict(dict)`` (JSON-serialisable).
     """
 
-    needs_ref: bool
-    needs_critic: bool
+    needs: AlgorithmNeeds
 
     def compute_advantages(self, batch: Batch) -> Batch:
         """Add ``advantages`` (B, R) and ``returns`` (B, R) to a scored batch.
@@ -163,7 +209,7 @@ class Algorithm(Protocol):
         """
 
     def policy_loss_fn(self) -> LossFn:
-        """The actor's loss, used by :meth:`TrainWorker.train_step`."""
+        """The actor's loss, used by :meth:`TrainWorker.update`."""
 
     def metrics(self, batch: Batch) -> dict[str, float]:
         """Per-step statistics of the batch (advantages, returns, KL, ...)."""
@@ -291,6 +337,29 @@ class DispatchInfo:
     collect: bool = True
 
 
+WORKER_PROTOCOLS: tuple[str, ...] = ("TrainWorker", "RolloutEngine", "RewardScorer")
+
+
+def method_name(method: Callable[..., Any] | str) -> str:
+    """The name a worker group calls on its workers for ``method``, a method reference:
+    ``TrainWorker.update`` -> ``"update"`` (any class's method works: a test's worker, ``object.__getattribute__``).
+
+    Worker groups take method references so that the controller's calls are checked against the protocol
+    they name (a renamed or undeclared method fails at the reference). A string, the 0.1 form, still works for
+    one release, with a DeprecationWarning.
+    """
+    if isinstance(method, str):
+        import warnings
+
+        warnings.warn(f"worker methods are named by reference now (e.g. TrainWorker.{method}), not by the string "
+                      f"{method!r}; strings go in the next release.", DeprecationWarning, stacklevel=3)
+        return method
+    owner, _, name = getattr(method, "__qualname__", "").rpartition(".")
+    if not owner or not name or owner.endswith("<locals>"):
+        raise TypeError(f"a worker group calls a method of a class (e.g. TrainWorker.update), not {method!r}")
+    return name
+
+
 @runtime_checkable
 class WorkerGroup(Protocol):
     """Workers of one role. The controller calls methods on the group, never on a worker.
@@ -299,13 +368,15 @@ class WorkerGroup(Protocol):
     batches, e.g. the mini-batches of an update, chunk by chunk), runs ``method`` on every worker with
     its share, and gathers the collected results (batches concatenated, metric dicts averaged, lists
     entry by entry). ``call_all(method, *args)`` runs ``method`` on every worker with the same arguments.
+    ``method`` is a method reference of the protocol the workers implement (``TrainWorker.compute_values``,
+    ``RolloutEngine.generate``); a group sends :func:`method_name` of it to its workers.
     """
 
     world_size: int
 
-    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any: ...
+    def call(self, method: Callable[..., Any], batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any: ...
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+    def call_all(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def shutdown(self) -> None: ...
 

@@ -29,7 +29,7 @@ import yaml
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError, describe_exception
-from rlx.protocols import RoleSpec, RunInfo, SamplingParams
+from rlx.protocols import RewardScorer, RoleSpec, RolloutEngine, RunInfo, SamplingParams, TrainWorker, needs_of
 from rlx.registry import PluginManager, call_factory, describe_component
 from rlx.run import checkpoint
 from rlx.run.data import PromptLoader, collate, load_prompts, resolve_path
@@ -65,7 +65,7 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
     for _ in range(epochs):
         data = batch.index(torch.randperm(len(batch), generator=gen)) if shuffle else batch
         minibatches.extend(data.split(mini_size))
-    for step in group.call("update", minibatches, loss_fn):
+    for step in group.call(TrainWorker.update, minibatches, loss_fn):
         for k, v in step.items():
             metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
 
@@ -87,6 +87,7 @@ class Trainer:
         # return from here) and only rank 0 touches the run folder.
         self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
         self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")  # checks its options vs rollout.n
+        self.needs = needs_of(self.algorithm)  # what the algorithm asks of the trainer, as data
         # A bad model folder is reported before anything is written or loaded.
         check_model_folder(resolve_path(cfg.model.path), cfg.model.trust_remote_code,
                            tokenizer=cfg.model.tokenizer_path is None)
@@ -189,12 +190,12 @@ class Trainer:
         backend = self._build("backend", cfg.backend.name, "backend")  # a picklable builder of workers
         self.actor = self.launcher.create_group("actor", partial(backend.worker, self._role_spec("actor", True)))
         # With LoRA the reference is the actor's base with the adapter switched off: no second model.
-        self.ref_from_actor = self.algorithm.needs_ref and cfg.model.lora_rank > 0
+        self.ref_from_actor = self.needs.ref and cfg.model.lora_rank > 0
         self.ref = (self.launcher.create_group("ref", partial(backend.worker, self._role_spec("ref", False)))
-                    if self.algorithm.needs_ref and not self.ref_from_actor else None)
+                    if self.needs.ref and not self.ref_from_actor else None)
         # The critic (value model) only when the algorithm's advantages need values.
         self.critic = (self.launcher.create_group("critic", partial(backend.worker, self._critic_spec()))
-                       if self.algorithm.needs_critic else None)
+                       if self.needs.critic else None)
         self.rollout = self.launcher.create_group("rollout", self._builder("rollout", cfg.rollout.name, "rollout"))
         # The reward runs here, on the driver: it needs the decoded responses, the data rows and the tokenizer.
         reward_fn = self._build("reward", cfg.reward.name, "reward")
@@ -274,16 +275,16 @@ class Trainer:
             batch.meta["old_log_probs_from_update"] = True
         else:
             with timer("old_log_prob"):
-                batch.tensors["old_log_probs"] = self.actor.call("compute_log_probs", batch)["log_probs"]
+                batch.tensors["old_log_probs"] = self.actor.call(TrainWorker.compute_log_probs, batch)["log_probs"]
         if self.ref is not None:
             with timer("ref"):
-                batch.tensors["ref_log_probs"] = self.ref.call("compute_log_probs", batch)["log_probs"]
+                batch.tensors["ref_log_probs"] = self.ref.call(TrainWorker.compute_log_probs, batch)["log_probs"]
         elif self.ref_from_actor:
             with timer("ref"):
-                batch.tensors["ref_log_probs"] = self.actor.call("compute_ref_log_probs", batch)["log_probs"]
+                batch.tensors["ref_log_probs"] = self.actor.call(TrainWorker.compute_ref_log_probs, batch)["log_probs"]
         if self.critic is not None:
             with timer("values"):
-                batch.tensors["values"] = self.critic.call("compute_values", batch)["values"]
+                batch.tensors["values"] = self.critic.call(TrainWorker.compute_values, batch)["values"]
         with timer("adv"):
             self.algorithm.compute_advantages(batch)
         update: dict[str, list[float]] = {}
@@ -321,7 +322,7 @@ class Trainer:
         if rows > mini_size:
             return (f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cuts a step's rollouts into several "
                     "optimizer steps, and each after the first runs an updated policy")
-        if not getattr(self.algorithm, "old_log_probs_from_update", False):
+        if not self.needs.old_from_update:
             return (f"algorithm {self.cfg.algorithm.name!r} needs the old log-probs before the update (e.g. "
                     "use_kl_in_reward) or does not say that its loss can take them from the update's forward")
         return None
@@ -358,15 +359,15 @@ class Trainer:
         prompts = collate(examples, self.tokenizer.pad_token_id)
         n = self.sampling.n
         with timer("gen"):
-            batch: Batch = self.rollout.call("generate", prompts, self.sampling)
+            batch: Batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling)
         batch.meta["max_response_length"] = self.sampling.max_tokens
         batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + first_group
         with timer("reward"):
-            batch.update(self.reward.call("score", batch))
-        if getattr(self.algorithm, "needs_greedy_baseline", False):
+            batch.update(self.reward.call(RewardScorer.score, batch))
+        if self.needs.greedy_baseline:
             with timer("gen_baseline"):
-                greedy: Batch = self.rollout.call("generate", prompts, self.greedy_sampling)
-                scored = self.reward.call("score", greedy)
+                greedy: Batch = self.rollout.call(RolloutEngine.generate, prompts, self.greedy_sampling)
+                scored = self.reward.call(RewardScorer.score, greedy)
             batch.tensors["baseline_scores"] = scored["scores"].repeat_interleave(n)
             batch.tensors["baseline_response_length"] = greedy["response_mask"].sum(-1).repeat_interleave(n)
         return batch
@@ -380,9 +381,9 @@ class Trainer:
         ``max_num_gen_batches`` batches were generated; then the step trains on what it has.
         """
         alg = self.algorithm
-        if not getattr(alg, "filter_groups", False):
+        if not self.needs.filter_groups:
             return self._generate_scored(examples, timer), {}
-        target, limit = self.cfg.data.train_batch_size, int(getattr(alg, "max_num_gen_batches", 0))
+        target, limit = self.cfg.data.train_batch_size, self.needs.max_gen_batches
         # "No limit" still ends: after a whole pass over the training prompts the step trains on what it
         # kept, or, if every group of that pass scored the same, the run stops with a message.
         pass_size = self.loader.batches_per_epoch()
@@ -526,9 +527,9 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
         def write(tmp: Path) -> None:
-            self.actor.call_all("save_checkpoint", str(tmp / "actor"))
+            self.actor.call_all(TrainWorker.save_checkpoint, str(tmp / "actor"))
             if self.critic is not None:
-                self.critic.call_all("save_checkpoint", str(tmp / "critic"))
+                self.critic.call_all(TrainWorker.save_checkpoint, str(tmp / "critic"))
 
         state: dict[str, Any] = {"loader": self.loader.state_dict()}
         if hasattr(self.algorithm, "state_dict"):  # e.g. an adaptive KL coefficient
@@ -540,12 +541,12 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = checkpoint.read_state(path)
-        self.actor.call_all("load_checkpoint", str(path / "actor"))
+        self.actor.call_all(TrainWorker.load_checkpoint, str(path / "actor"))
         if self.critic is not None:
             if not (path / "critic").is_dir():
                 raise UserError(f"{path} has no critic, but algorithm {self.cfg.algorithm.name!r} needs one.",
                                 "Resume with the algorithm the run was started with, or start a new run.")
-            self.critic.call_all("load_checkpoint", str(path / "critic"))
+            self.critic.call_all(TrainWorker.load_checkpoint, str(path / "critic"))
         if "algorithm" in state and hasattr(self.algorithm, "load_state_dict"):
             self.algorithm.load_state_dict(state["algorithm"])
         self.loader.load_state_dict(state["loader"])
@@ -560,7 +561,7 @@ class Trainer:
         tmp = target.with_name(f".tmp-{target.name}")
         checkpoint.remove_tree(tmp)  # a planted link is removed, never followed
         checkpoint.make_dir(tmp)
-        self.actor.call_all("save_pretrained", str(tmp), self.tokenizer)
+        self.actor.call_all(TrainWorker.save_pretrained, str(tmp), self.tokenizer)
         if is_private(target.parent):  # the run folder is owner-only: so is the model written into it
             make_tree_private(tmp)
         checkpoint.replace_dir(tmp, target)

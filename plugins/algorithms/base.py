@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
-from rlx.protocols import estimator_requires
+from rlx.protocols import AlgorithmNeeds, estimator_requires
 
 if TYPE_CHECKING:
     import torch
@@ -401,6 +401,11 @@ class PolicyGradient:
         self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
         self.max_num_gen_batches = opts.max_num_gen_batches
+        # What the trainer reads (the attributes above stay for code written against rlx 0.1).
+        self.needs = AlgorithmNeeds(ref=self.needs_ref, critic=self.needs_critic,
+                                    greedy_baseline=self.needs_greedy_baseline, filter_groups=self.filter_groups,
+                                    max_gen_batches=self.max_num_gen_batches,
+                                    old_from_update=self.old_log_probs_from_update)
         k = opts.kl_ctrl
         self.kl_ctrl: F.FixedKLController | F.AdaptiveKLController = (
             F.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon) if k.type == "adaptive"

@@ -11,6 +11,7 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from typing import Any, Literal
 from rlx.batch import Batch
 from rlx.dispatch import balance, dispatch_info, gather, shard, unbalance
 from rlx.errors import UserError, describe_exception
-from rlx.protocols import DispatchInfo
+from rlx.protocols import DispatchInfo, RolloutEngine, method_name
 
 Where = Literal["workers", "driver"]
 
@@ -37,12 +38,14 @@ class LocalWorkerGroup:
         self.workers = workers
         self.world_size = len(workers)
 
-    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: Callable[..., Any], batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
+        name = method_name(method)
         parts = shard(batch, self.world_size)
-        return gather([getattr(w, method)(p, *args, **kwargs) for w, p in zip(self.workers, parts)])
+        return gather([getattr(w, name)(p, *args, **kwargs) for w, p in zip(self.workers, parts)])
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+    def call_all(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        name = method_name(method)
+        return [getattr(w, name)(*args, **kwargs) for w in self.workers]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -67,10 +70,10 @@ class PhaseSwitch:
         self.current = name
         if self.colocated_rollout is None or not self.sleep_rollout:
             return {}
-        method = "sleep" if name == "train" else "wake_up"
+        method = RolloutEngine.sleep if name == "train" else RolloutEngine.wake_up
         start = time.perf_counter()
         self.colocated_rollout.call_all(method)
-        return {f"timing/{method}": time.perf_counter() - start}
+        return {f"timing/{method.__name__}": time.perf_counter() - start}
 
 
 @dataclass(frozen=True)
@@ -366,17 +369,17 @@ class ProcessWorkerGroup:
         self.dp_size = infos[0].dp_size
         self.balanced = self.dp_size > 1 and role in getattr(launcher, "balanced_roles", frozenset())
 
-    def call(self, method: str, batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: Callable[..., Any], batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
         batch, order = balance(batch, self.dp_size) if self.balanced else (batch, None)
         parts = shard(batch, self.dp_size)
         shares = [parts[info.dp_rank] for info in self.infos]
-        results = self.launcher.run(("call", self.role, method, args, kwargs), shares, self.ranks)
+        results = self.launcher.run(("call", self.role, method_name(method), args, kwargs), shares, self.ranks)
         collected = sorted(((info.dp_rank, r) for info, r in zip(self.infos, results) if info.collect),
                            key=lambda pair: pair[0])
         return unbalance(gather([r for _, r in collected]), order)
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.launcher.run(("call_all", self.role, method, args, kwargs), None, self.ranks)
+    def call_all(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self.launcher.run(("call_all", self.role, method_name(method), args, kwargs), None, self.ranks)
 
     def shutdown(self) -> None:
         """The launcher closes every role at once."""

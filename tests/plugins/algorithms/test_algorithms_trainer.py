@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from rlx import Component, hookimpl
-from rlx.protocols import EstimatorInputs, RewardBatch, RewardOutput, advantage_estimator
+from rlx.protocols import (
+    EstimatorInputs,
+    RewardBatch,
+    RewardOutput,
+    RewardScorer,
+    RolloutEngine,
+    advantage_estimator,
+)
 from rlx.registry import PluginManager
 from rlx.trainer import Timer, Trainer
 from rlx.validate import load_config
@@ -158,8 +165,8 @@ def test_remax_greedy_baseline(tmp_path):
     batch = t._generate_scored(examples, Timer())
     from rlx.run.data import collate
 
-    greedy = t.rollout.call("generate", collate(examples, t.tokenizer.pad_token_id), t.greedy_sampling)
-    want = t.reward.call("score", greedy)["scores"]
+    greedy = t.rollout.call(RolloutEngine.generate, collate(examples, t.tokenizer.pad_token_id), t.greedy_sampling)
+    want = t.reward.call(RewardScorer.score, greedy)["scores"]
     assert torch.equal(batch["baseline_scores"], want.repeat_interleave(t.sampling.n))
     assert len(batch) == 4 * t.sampling.n
     t.step = 1

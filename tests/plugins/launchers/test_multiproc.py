@@ -68,7 +68,7 @@ SAME_UPDATE = textwrap.dedent('''
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.context import BuildContext
-    from rlx.protocols import RoleSpec, RunInfo
+    from rlx.protocols import RoleSpec, RunInfo, TrainWorker
     from rlx.trainer import ppo_update
 
     def main(nproc, out):
@@ -78,11 +78,11 @@ SAME_UPDATE = textwrap.dedent('''
         spec = RoleSpec(role="actor", model_path=path, trainable=True, lr=3e-4, micro_batch_size=2, seed=0)
         actor = launcher.create_group("actor", partial(TorchBackend(TorchBackendOptions(), "cpu").worker, spec))
         batch = make_batch(rows=8)
-        batch.tensors["old_log_probs"] = actor.call("compute_log_probs", batch)["log_probs"]
+        batch.tensors["old_log_probs"] = actor.call(TrainWorker.compute_log_probs, batch)["log_probs"]
         metrics = {{}}
         ppo_update(actor, batch, grpo_loss(loss_agg_mode="token-mean"), epochs=2, mini_size=4, shuffle=True,
                    seed=7, prefix="actor", metrics=metrics)
-        actor.call_all("save_pretrained", out + "/model")
+        actor.call_all(TrainWorker.save_pretrained, out + "/model")
         launcher.shutdown()
         json.dump(metrics, open(out + "/metrics.json", "w"))
 

@@ -47,8 +47,8 @@ POOL_RUN = textwrap.dedent('''
         def train_step(self, examples):
             metrics = super().train_step(examples)
             # The actor's and the engine's models, from their processes (neither has an accessor of its own).
-            actor = self.actor.call_all("__getattribute__", "model")[0].state_dict()
-            [model] = self.rollout.call_all("__getattribute__", "model")
+            actor = self.actor.call_all(object.__getattribute__, "model")[0].state_dict()
+            [model] = self.rollout.call_all(object.__getattribute__, "model")
             engine = model.state_dict()
             limit = bucket_bytes(self.launcher.options.bucket_size_mb)
             self.steps.append({{
@@ -323,7 +323,7 @@ BALANCED_UPDATE = textwrap.dedent('''
     from rlx.context import BuildContext
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
-    from rlx.protocols import RoleSpec, RunInfo
+    from rlx.protocols import RoleSpec, RunInfo, TrainWorker
     from rlx.trainer import ppo_update
     from rlx.step import row_tokens
 
@@ -347,12 +347,12 @@ BALANCED_UPDATE = textwrap.dedent('''
             launcher.run = recording
         batch = make_batch(seed=1, rows=8)  # 7 to 14 tokens a row; sorted, a plain split gives 35 and 49
         batch = batch.index(sorted(range(8), key=lambda i: row_tokens(batch)[i]))
-        log_probs = actor.call("compute_log_probs", batch)["log_probs"]
+        log_probs = actor.call(TrainWorker.compute_log_probs, batch)["log_probs"]
         batch.tensors["old_log_probs"] = log_probs
         metrics = {{}}
         ppo_update(actor, batch, grpo_loss(loss_agg_mode="token-mean"), epochs=2, mini_size=8, shuffle=False,
                    seed=7, prefix="actor", metrics=metrics)
-        actor.call_all("save_pretrained", out + "/model")
+        actor.call_all(TrainWorker.save_pretrained, out + "/model")
         launcher.shutdown()
         torch.save({{"metrics": metrics, "log_probs": log_probs, "shares": shares}}, out + "/result.pt")
 

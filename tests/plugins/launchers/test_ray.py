@@ -174,18 +174,18 @@ GROUPS = textwrap.dedent('''
         dp = launcher.create_group("dp", build)
         rep = launcher.create_group("rep", build_replicated)
         batch = Batch({"x": torch.arange(6)})
-        out = dp.call("tag", batch)
+        out = dp.call(Worker.tag, batch)
         print("dp", out.tensors["x"].tolist(), out.tensors["rank"].tolist())
-        out = rep.call("tag", batch)
+        out = rep.call(Worker.tag, batch)
         print("rep", out.tensors["x"].tolist(), out.tensors["rank"].tolist())
-        print("all", dp.call_all("total", 10))
+        print("all", dp.call_all(Worker.total, 10))
         sys.stdout.flush()
         start = time.monotonic()
         try:
             if kind == "hang":
-                dp.call_all("nap", 120)
+                dp.call_all(Worker.nap, 120)
             else:
-                dp.call_all("total", 10, 1, kind == "user")
+                dp.call_all(Worker.total, 10, 1, kind == "user")
         except UserError as exc:
             print("user error:", exc)
         except SystemExit as exc:

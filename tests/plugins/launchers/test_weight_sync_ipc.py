@@ -238,9 +238,9 @@ GPU_RUN = textwrap.dedent('''
 
         def train_step(self, examples):
             metrics = super().train_step(examples)
-            actor = {n: t.detach().cpu() for n, t in self.actor.call_all("__getattribute__", "model")[0]
+            actor = {n: t.detach().cpu() for n, t in self.actor.call_all(object.__getattribute__, "model")[0]
                      .state_dict().items()}
-            [model] = self.rollout.call_all("__getattribute__", "model")  # pickled over from its process
+            [model] = self.rollout.call_all(object.__getattribute__, "model")  # pickled over from its process
             engine = {n: t.detach().cpu() for n, t in model.state_dict().items()}
             self.steps.append({
                 "differ": [n for n, t in actor.items() if not torch.equal(engine[n], t.to(engine[n].dtype))],
