@@ -392,7 +392,8 @@ def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
         which: str, tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """actor.log_prob_chunk_size: the head's logits formed 5 response positions at a time (several chunks per
     row, one crossing rows), each chunk recomputed in the backward pass, give the full head's log-probs,
-    entropies and every weight's gradient (float32, 1e-6 of each tensor's scale); tied (Qwen2: the embedding is the head) and untied."""
+    entropies and every weight's gradient (float32, 1e-6 of each tensor's scale); tied (Qwen2: the embedding is
+    the head) and untied."""
     import rlx.plugins.backends.megatron as backend
 
     emulate_cuda_placement(monkeypatch.setattr)
