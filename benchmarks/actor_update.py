@@ -195,19 +195,20 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, v:
     from rlx.plugins.backends import torch_local
     from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
     from rlx.protocols import RoleSpec
+    from rlx.records import ForwardOptions
 
-    extra: dict[str, Any] = {"use_remove_padding": v["packed"], "log_prob_chunk_size": v["chunk"],
-                             "log_prob_micro_batch_size": args.log_prob_micro_rows,
-                             "use_torch_compile": v["compile"]}
+    options: dict[str, Any] = {"use_remove_padding": v["packed"], "log_prob_chunk_size": v["chunk"],
+                               "log_prob_micro_batch_size": args.log_prob_micro_rows,
+                               "use_torch_compile": v["compile"]}
     if v["bf16"]:
-        extra["model_dtype"] = "bfloat16"
+        options["model_dtype"] = "bfloat16"
     if v["budget"]:
-        extra.update(use_dynamic_bsz=True, ppo_max_token_len=v["budget"],
-                     ppo_max_token_len_option="--max-tokens", log_prob_max_token_len=v["budget"] * 2,
-                     log_prob_max_token_len_option="--max-tokens")
+        options.update(use_dynamic_bsz=True, ppo_max_token_len=v["budget"],
+                       ppo_max_token_len_option="--max-tokens", log_prob_max_token_len=v["budget"] * 2,
+                       log_prob_max_token_len_option="--max-tokens")
     spec = RoleSpec(role="actor", model_path=path, trainable=True, dtype="auto", lr=1e-6,
                     micro_batch_size=args.micro_rows, gradient_checkpointing=args.gradient_checkpointing,
-                    extra=extra)
+                    forward=ForwardOptions(**options))
     if device != "cpu":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -255,6 +256,7 @@ def equivalence() -> None:
     from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
     from rlx.plugins.tasks import builtin
     from rlx.protocols import RoleSpec
+    from rlx.records import ForwardOptions
 
     torch.set_num_threads(1)
     path = builtin.resolve("builtin:tiny-qwen2")
@@ -264,9 +266,9 @@ def equivalence() -> None:
     batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=16.0)
     mask = batch["response_mask"].bool()
 
-    def worker(role: str = "actor", micro: int = 16, **extra: Any) -> Any:
+    def worker(role: str = "actor", micro: int = 16, **options: Any) -> Any:
         spec = RoleSpec(role=role, model_path=path, trainable=True, value_head=role == "critic", lr=1e-3,
-                        micro_batch_size=micro, extra=extra)
+                        micro_batch_size=micro, forward=ForwardOptions(**options))
         return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
     def grads(w: Any, loss_fn: Any) -> dict[str, Any]:
@@ -282,10 +284,10 @@ def equivalence() -> None:
     ref = worker(**base)
     want = ref.compute_log_probs(batch, with_entropy=True)
     want_grads = grads(ref, actor_loss)
-    for name, extra in (("packed", {"log_prob_chunk_size": 0}),
+    for name, options in (("packed", {"log_prob_chunk_size": 0}),
                         ("chunked head (16)", {**base, "log_prob_chunk_size": 16}),
                         ("packed + chunked head", {"log_prob_chunk_size": 16})):
-        w = worker(**extra)
+        w = worker(**options)
         got = w.compute_log_probs(batch, with_entropy=True)
         diffs = {k: float((got[k] - want[k])[mask].abs().max()) for k in ("log_probs", "entropy")}
         print(f"{name:24} vs padded plain: log-probs {diffs['log_probs']:.1e}, entropy {diffs['entropy']:.1e}, "

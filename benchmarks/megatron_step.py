@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlx.plugins.backends.torch_local import DEFAULT_CHUNK_SIZE
+from rlx.records import DEFAULT_CHUNK_SIZE
 
 SHAPES = {
     "0.5b": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -123,6 +123,7 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
     from rlx.plugins.backends.megatron import MegatronOptions, MegatronWorker
     from rlx.protocols import RoleSpec
+    from rlx.records import ForwardOptions
 
     os.environ["LOCAL_RANK"] = str(rank)
     torch.cuda.set_device(rank)
@@ -134,7 +135,7 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
         spec = RoleSpec(role="actor", model_path=job["path"], trainable=True,
                         dtype="float32" if job["float32"] else "bfloat16", lr=job["lr"], weight_decay=0.0,
                         micro_batch_size=job["micro"], gradient_checkpointing=job["checkpointing"], seed=0,
-                        extra={"log_prob_chunk_size": job.get("head_chunk", DEFAULT_CHUNK_SIZE)})
+                        forward=ForwardOptions(log_prob_chunk_size=job.get("head_chunk", DEFAULT_CHUNK_SIZE)))
         options = MegatronOptions(tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
                                   sequence_parallel=job["tp"] > 1 and job["sp"])
         worker = MegatronWorker(spec, options, "cuda")

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from rlx.records import ForwardOptions, LoraSpec
+
 if TYPE_CHECKING:
     import torch
 
@@ -82,7 +84,9 @@ metric only, and the backend may then compute it outside the autograd graph.
 
 @dataclass
 class RoleSpec:
-    """What a backend builds for one role: ``actor``, ``ref`` or ``critic``."""
+    """What a backend builds for one role: ``actor``, ``ref`` or ``critic``. ``forward`` says how its forward
+    passes run and ``lora`` which adapters it trains (``rlx.records``; a backend built from a config fills in
+    what a spec leaves at the defaults from ``rlx.step.role_settings``)."""
 
     role: str
     model_path: str
@@ -94,13 +98,15 @@ class RoleSpec:
     warmup_steps: int = 0
     total_steps: int = 1
     lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0  # the final lr of a cosine or linear schedule, as a fraction of lr
     grad_clip: float = 1.0
     micro_batch_size: int = 4
     gradient_checkpointing: bool = False
     value_head: bool = False
     seed: int = 0
     trust_remote_code: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    forward: ForwardOptions = field(default_factory=ForwardOptions)
+    lora: LoraSpec | None = None  # None: every weight trains (no adapters)
 
 
 @runtime_checkable

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from rlx.records import ForwardOptions, RoleSettings, lora_spec
 
 if TYPE_CHECKING:
     import torch
@@ -133,34 +135,32 @@ def run_forward(engine: StepEngine, batch: Batch, size: int, fn: Callable[[Batch
     return out
 
 
-def role_settings(config: RLXConfig | None, role: str) -> dict[str, Any]:
-    """The forward-pass settings of a role (``RoleSpec.extra`` keys) from the config: packing, the
-    chunked head, token budgets, compilation, the trained weights' dtype and LoRA. The reference scores like the actor's
-    log-prob passes (with LoRA on, no reference worker is built: the actor scores with its adapter off)."""
+def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
+    """The forward-pass settings of a role from the config (``RoleSpec.forward``): packing, the chunked head,
+    token budgets, compilation and the trained weights' dtype; and its LoRA adapters (``RoleSpec.lora``). The
+    reference scores like the actor's log-prob passes (with LoRA on, no reference worker is built: the actor
+    scores with its adapter off). No config: the defaults."""
     if config is None:
-        return {}
-    from rlx.plugins.modeling.lora import settings as lora_settings
-
+        return RoleSettings()
+    lora = lora_spec(config.model)
     if role == "critic":
         c = config.critic
-        return {"use_remove_padding": c.use_remove_padding, "use_dynamic_bsz": c.use_dynamic_bsz,
-                "ppo_max_token_len": c.ppo_max_token_len_per_gpu,
-                "ppo_max_token_len_option": "critic.ppo_max_token_len_per_gpu",
-                "log_prob_max_token_len": c.forward_max_token_len_per_gpu,
-                "log_prob_max_token_len_option": "critic.forward_max_token_len_per_gpu",
-                "ulysses_sequence_parallel_size": c.ulysses_sequence_parallel_size,
-                "use_torch_compile": c.use_torch_compile,
-                "model_dtype": c.model_dtype, "lora": lora_settings(config.model)}
+        return RoleSettings(ForwardOptions(
+            use_remove_padding=c.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+            ppo_max_token_len=c.ppo_max_token_len_per_gpu, ppo_max_token_len_option="critic.ppo_max_token_len_per_gpu",
+            log_prob_max_token_len=c.forward_max_token_len_per_gpu,
+            log_prob_max_token_len_option="critic.forward_max_token_len_per_gpu",
+            ulysses_sequence_parallel_size=c.ulysses_sequence_parallel_size, use_torch_compile=c.use_torch_compile,
+            model_dtype=c.model_dtype), lora)
     a = config.actor
-    return {"use_remove_padding": a.use_remove_padding, "use_dynamic_bsz": a.use_dynamic_bsz,
-            "log_prob_chunk_size": a.log_prob_chunk_size,
-            "ppo_max_token_len": a.ppo_max_token_len_per_gpu,
-            "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
-            "log_prob_max_token_len": a.log_prob_max_token_len_per_gpu,
-            "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
-            "ulysses_sequence_parallel_size": a.ulysses_sequence_parallel_size,
-            "use_torch_compile": a.use_torch_compile,
-            "model_dtype": a.model_dtype, "lora": lora_settings(config.model)}
+    return RoleSettings(ForwardOptions(
+        use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        log_prob_chunk_size=a.log_prob_chunk_size,
+        ppo_max_token_len=a.ppo_max_token_len_per_gpu, ppo_max_token_len_option="actor.ppo_max_token_len_per_gpu",
+        log_prob_max_token_len=a.log_prob_max_token_len_per_gpu,
+        log_prob_max_token_len_option="actor.log_prob_max_token_len_per_gpu",
+        ulysses_sequence_parallel_size=a.ulysses_sequence_parallel_size, use_torch_compile=a.use_torch_compile,
+        model_dtype=a.model_dtype), lora)
 
 
 def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,

@@ -37,6 +37,7 @@ from rlx.run.files import check_run_folder_links, is_private, make_tree_private,
 from rlx.run.metrics import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.run.models import check_model_folder, load_tokenizer
 from rlx.run.reward_worker import RewardWorker
+from rlx.step import role_settings
 from rlx.validate import Resolved
 
 
@@ -151,30 +152,32 @@ class Trainer:
         cfg, o = self.cfg, self.cfg.actor.optim
         minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         total = self.total_steps * cfg.actor.ppo_epochs * minibatches
+        settings = role_settings(cfg, role)
         return RoleSpec(
             role=role, model_path=self.model_path, trainable=trainable, dtype=cfg.model.dtype, lr=o.lr,
             weight_decay=o.weight_decay, betas=o.betas, warmup_steps=o.warmup_for(total),
-            total_steps=total, lr_schedule=o.lr_schedule,
+            total_steps=total, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
             grad_clip=o.grad_clip, micro_batch_size=cfg.actor.micro_batch_size_per_device,
             gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.trainer.seed,
             trust_remote_code=cfg.model.trust_remote_code,
-            extra={"min_lr_ratio": o.min_lr_ratio,
-                   "log_prob_micro_batch_size": cfg.actor.log_prob_micro_batch_size_per_device},
+            forward=dataclasses.replace(
+                settings.forward, log_prob_micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device),
+            lora=settings.lora,
         )
 
     def _critic_spec(self) -> RoleSpec:
         cfg, c = self.cfg, self.cfg.critic
         minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         epochs = c.ppo_epochs or cfg.actor.ppo_epochs
+        spec = self._role_spec("critic", True)
         return dataclasses.replace(
-            self._role_spec("critic", True), model_path=resolve_path(c.model_path) if c.model_path else self.model_path,
+            spec, model_path=resolve_path(c.model_path) if c.model_path else self.model_path,
             value_head=True, lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=c.optim.betas,
             warmup_steps=c.optim.warmup_for(self.total_steps * epochs * minibatches),
             total_steps=self.total_steps * epochs * minibatches,
-            lr_schedule=c.optim.lr_schedule, grad_clip=c.optim.grad_clip,
+            lr_schedule=c.optim.lr_schedule, min_lr_ratio=c.optim.min_lr_ratio, grad_clip=c.optim.grad_clip,
             micro_batch_size=c.micro_batch_size_per_device,
-            extra={"min_lr_ratio": c.optim.min_lr_ratio,
-                   "log_prob_micro_batch_size": c.forward_micro_batch_size_per_device})
+            forward=dataclasses.replace(spec.forward, log_prob_micro_batch_size=c.forward_micro_batch_size_per_device))
 
     def _builder(self, kind: str, name: str, options_key: str) -> Any:
         """A picklable ``build(rank, world_size)`` that calls the component's factory where the worker

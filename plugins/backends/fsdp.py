@@ -80,6 +80,7 @@ from rlx.plugins.backends.ulysses import (
 )
 from rlx.plugins.modeling.checks import COMPILE_FSDP1, CONFIG_PROBLEMS, LORA_FSDP1
 from rlx.protocols import DispatchInfo, RoleSpec
+from rlx.records import RoleSettings
 
 if TYPE_CHECKING:
     import torch
@@ -284,10 +285,10 @@ class FSDPWorker(TorchWorker):
         # Parameters are sharded over every rank (as verl does), sequence-parallel groups included.
         self.mesh = init_device_mesh(torch.device(self.device).type, (world,))
         self._set_up_groups(world)
-        self.lora = spec.extra.get("lora") or None
+        self.lora = spec.lora
         if self.lora is not None and engine == "fsdp":
             raise UserError(LORA_FSDP1, "Use backend.name=fsdp2 (or torch) for LoRA, or model.lora_rank=0.")
-        if spec.extra.get("use_torch_compile") and engine == "fsdp":
+        if spec.forward.use_torch_compile and engine == "fsdp":
             section = "critic" if spec.role == "critic" else "actor"
             raise UserError(f"{section}.{COMPILE_FSDP1}",
                             f"Use backend.name=fsdp2, or {section}.use_torch_compile=false.")
@@ -319,7 +320,7 @@ class FSDPWorker(TorchWorker):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        size = ulysses_size(self.spec.extra, self.spec.role)
+        size = ulysses_size(self.spec.forward, self.spec.role)
         self.sp_size, self.sp = size, None
         self.dp_size, self.dp_rank, self.dp_group = world // size, self.rank // size, None
         if size == 1:
@@ -342,7 +343,7 @@ class FSDPWorker(TorchWorker):
         option = option_name(self.spec.role)
         if not self.packed:
             padding = f"{'critic' if self.spec.role == 'critic' else 'actor'}.use_remove_padding"
-            if not self.spec.extra.get("use_remove_padding", True):
+            if not self.spec.forward.use_remove_padding:
                 raise UserError(f"{option}={self.sp_size} needs packed sequences, but {padding} is false.",
                                 f"Set {padding}=true, or {option}=1.")
             raise UserError(f"{option}={self.sp_size} needs packed sequences, but the {self.spec.role} model cannot "
@@ -610,7 +611,7 @@ class FSDPWorker(TorchWorker):
         if written != (self.lora is not None):
             how = "with LoRA adapters" if written else "without LoRA (all weights)"
             raise UserError(f"{path} was written {how}, but this run has model.lora_rank="
-                            f"{self.lora['rank'] if self.lora else 0}.",
+                            f"{self.lora.rank if self.lora else 0}.",
                             "Resume (or export) with the model.lora_* settings the run was started with.")
 
     def save_checkpoint(self, path: str) -> None:
@@ -728,7 +729,7 @@ class FSDPBackend:
     """Builds :class:`FSDPWorker` s for roles; picklable so process launchers can ship it."""
 
     def __init__(self, options: FSDP2Options | FSDPOptions, device: str, engine: Literal["fsdp2", "fsdp"],
-                 settings: dict[str, dict[str, Any]] | None = None) -> None:
+                 settings: dict[str, RoleSettings] | None = None) -> None:
         self.options, self.device, self.engine, self.settings = options, device, engine, settings or {}
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> FSDPWorker:

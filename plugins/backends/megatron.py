@@ -47,6 +47,7 @@ from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import DispatchInfo, LossFn, RoleSpec
+from rlx.records import RoleSettings
 from rlx.registry import Requirement
 
 if TYPE_CHECKING:
@@ -132,20 +133,21 @@ def layout_problems(options: MegatronOptions, world_size: int | None, hf_config:
     return out
 
 
-def settings_problems(settings: dict[str, dict[str, Any]]) -> list[str]:
+def settings_problems(settings: dict[str, RoleSettings]) -> list[str]:
     """Role settings (``rlx.step.role_settings``) this backend does not implement."""
     out = []
-    for role, extra in settings.items():
+    for role, setting in settings.items():
         section = "critic" if role == "critic" else "actor"
-        if extra.get("lora"):
+        forward = setting.forward
+        if setting.lora is not None:
             out.append("LoRA (model.lora_rank > 0) is not supported by the megatron backend")
-        if int(extra.get("ulysses_sequence_parallel_size") or 1) > 1:
+        if int(forward.ulysses_sequence_parallel_size or 1) > 1:
             out.append(f"{section}.ulysses_sequence_parallel_size > 1 belongs to the fsdp backends (use "
                        "backend.sequence_parallel with tensor parallelism)")
-        if extra.get("use_torch_compile"):
+        if forward.use_torch_compile:
             out.append(f"{section}.use_torch_compile=true belongs to the torch and fsdp2 backends (megatron-core "
                        "fuses its layers through Transformer Engine)")
-        if extra.get("model_dtype") == "bfloat16":
+        if forward.model_dtype == "bfloat16":
             out.append(f"{section}.model_dtype=bfloat16 is not supported (the megatron backend keeps fp32 "
                        "master weights)")
     return sorted(set(out))
@@ -507,15 +509,9 @@ class MegatronWorker:
                                    device=self.device)
         load_hf(self.chunks, self.bridge, self.hf_config, spec.model_path, value_head=spec.value_head,
                 seed=spec.seed)
-        extra = spec.extra
-        self.update_budget = (int(extra["ppo_max_token_len"]), str(extra["ppo_max_token_len_option"])) \
-            if extra.get("use_dynamic_bsz") else None
-        self.forward_budget = (int(extra["log_prob_max_token_len"]), str(extra["log_prob_max_token_len_option"])) \
-            if extra.get("use_dynamic_bsz") else None
+        self.update_budget, self.forward_budget = spec.forward.update_budget, spec.forward.forward_budget
         # actor.log_prob_chunk_size: the head's logits a chunk of response positions at a time (0: all at once)
-        from rlx.plugins.backends.torch_local import DEFAULT_CHUNK_SIZE
-
-        self.head_chunk = 0 if spec.value_head else int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
+        self.head_chunk = 0 if spec.value_head else int(spec.forward.log_prob_chunk_size)
         self.steps = 0
         self.optimizer: Any = None
         if spec.trainable:
@@ -637,9 +633,10 @@ class MegatronWorker:
 
     def _forward_batch(self, batch: Batch, with_entropy: bool) -> Batch:
         from rlx.batch import Batch
+        from rlx.plugins.backends.torch_local import forward_micro_batch_size
         from rlx.step import MODEL_COLUMNS, micro_batches, run_forward
 
-        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
+        size = forward_micro_batch_size(self.spec)
         if self.pp_size == 1:
             def one(mb: Batch) -> dict[str, torch.Tensor]:
                 output, where = self._run_chunk(self.model[0], mb, with_entropy)
@@ -839,7 +836,7 @@ class MegatronWorker:
 class MegatronBackend:
     """Builds :class:`MegatronWorker` s for roles; picklable so process launchers can ship it."""
 
-    def __init__(self, options: MegatronOptions, device: str, settings: dict[str, dict[str, Any]] | None = None
+    def __init__(self, options: MegatronOptions, device: str, settings: dict[str, RoleSettings] | None = None
                  ) -> None:
         self.options, self.device, self.settings = options, device, settings or {}
 

@@ -22,6 +22,7 @@ from rlx.config import resolve_dtype
 from rlx.context import BuildContext
 from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import LossFn, RoleSpec
+from rlx.records import LoraSpec, RoleSettings
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
 
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optim.pt"
-# Positions per chunk of the chunked head when a role's settings name none (actor.log_prob_chunk_size).
-DEFAULT_CHUNK_SIZE = 1024
 
 
 def rng_file(rank: int) -> str:
@@ -78,7 +77,7 @@ def restore_scheduler(scheduler: Any, state: dict[str, Any]) -> None:
 
 def lr_lambda(spec: RoleSpec):
     warmup, total, kind = spec.warmup_steps, max(spec.total_steps, 1), spec.lr_schedule
-    min_ratio = float(spec.extra.get("min_lr_ratio", 0.0))
+    min_ratio = float(spec.min_lr_ratio)
 
     def f(step: int) -> float:
         if warmup and step < warmup:
@@ -665,8 +664,8 @@ def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> An
 class TorchWorker:
     """One role's model on one device."""
 
-    # ``RoleSpec.extra["lora"]`` (rlx.plugins.modeling.lora.settings) when the model carries peft adapters.
-    lora: dict[str, Any] | None = None
+    # ``RoleSpec.lora`` (rlx.plugins.modeling.lora.settings) when the model carries peft adapters.
+    lora: LoraSpec | None = None
 
     def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
                  world_size: int = 1) -> None:
@@ -682,7 +681,7 @@ class TorchWorker:
         self.rank, self.dp_size = rank, world_size
         check_attention(options.attn_implementation, self.device, spec)
         torch.manual_seed(spec.seed)
-        self.lora = spec.extra.get("lora") or None
+        self.lora = spec.lora
         # Mixed precision (model_dtype=float32, the default): a trainable role keeps float32 master weights
         # (AdamW on bf16 weights loses small updates) and runs its forward passes under autocast in
         # model.dtype on a GPU. model_dtype=bfloat16: weights, gradients and AdamW moments in bf16, no
@@ -714,23 +713,19 @@ class TorchWorker:
         self._set_up_optimizer()
 
     def _set_up_forward(self, hf_model: Any) -> None:
-        """How this role's forward passes run (``spec.extra``, see :func:`role_settings`): packed rows,
-        the chunked head, and micro-batches cut by a token budget."""
-        extra = self.spec.extra
+        """How this role's forward passes run (``spec.forward``, see ``rlx.step.role_settings``): packed
+        rows, the chunked head, and micro-batches cut by a token budget."""
+        forward = self.spec.forward
         self.hf_model = hf_model
-        self.packed = bool(extra.get("use_remove_padding", True)) and supports_packing(hf_model)
+        self.packed = bool(forward.use_remove_padding) and supports_packing(hf_model)
         if self.packed:
             use_packed_sdpa(hf_model)
         # use_torch_compile: the decoder layers, and the chunked head's element-wise work
-        self.compile_head = bool(extra.get("use_torch_compile"))
+        self.compile_head = bool(forward.use_torch_compile)
         if self.compile_head:
             compile_decoder_layers(hf_model, self.spec.role)
-        self.chunk_size = int(extra.get("log_prob_chunk_size", DEFAULT_CHUNK_SIZE))
-        dynamic = bool(extra.get("use_dynamic_bsz", False))
-        self.update_budget = (int(extra["ppo_max_token_len"]), str(extra["ppo_max_token_len_option"])) \
-            if dynamic else None
-        self.forward_budget = (int(extra["log_prob_max_token_len"]), str(extra["log_prob_max_token_len_option"])) \
-            if dynamic else None
+        self.chunk_size = int(forward.log_prob_chunk_size)
+        self.update_budget, self.forward_budget = forward.update_budget, forward.forward_budget
 
     def _set_up_optimizer(self) -> None:
         """AdamW and the learning-rate schedule for a trainable role; a frozen one gets no gradients."""
@@ -845,7 +840,7 @@ class TorchWorker:
         from rlx.batch import Batch
         from rlx.step import run_forward
 
-        size = int(self.spec.extra.get("log_prob_micro_batch_size", self.spec.micro_batch_size))
+        size = forward_micro_batch_size(self.spec)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -929,7 +924,7 @@ class TorchWorker:
         if (self.lora is not None) != os.path.exists(adapter):
             written = "with LoRA adapters" if os.path.exists(adapter) else "without LoRA (all weights)"
             raise UserError(f"{path} was written {written}, but this run has model.lora_rank="
-                            f"{self.lora['rank'] if self.lora else 0}.",
+                            f"{self.lora.rank if self.lora else 0}.",
                             "Resume (or export) with the model.lora_* settings the run was started with.")
         if self.lora is not None:
             from safetensors import SafetensorError
@@ -1007,17 +1002,29 @@ def trained_dtype(spec: RoleSpec) -> torch.dtype:
     """The dtype of a trainable role's weights and optimizer states (``model_dtype``)."""
     import torch
 
-    return torch.bfloat16 if spec.extra.get("model_dtype") == "bfloat16" else torch.float32
+    return torch.bfloat16 if spec.forward.model_dtype == "bfloat16" else torch.float32
 
 
-def with_role_settings(spec: RoleSpec, settings: dict[str, dict[str, Any]]) -> RoleSpec:
-    """``spec`` with its role's forward-pass settings (``rlx.step.role_settings``) under its own extras."""
+def forward_micro_batch_size(spec: RoleSpec) -> int:
+    """Rows per forward pass without gradients (``log_prob_micro_batch_size``, else the training micro-batch)."""
+    size = spec.forward.log_prob_micro_batch_size
+    return int(size if size is not None else spec.micro_batch_size)
+
+
+def with_role_settings(spec: RoleSpec, settings: dict[str, RoleSettings]) -> RoleSpec:
+    """``spec`` with its role's settings from the config (``rlx.step.role_settings``) under its own: each
+    forward option the spec leaves at its default takes the config's value, and a spec without LoRA the
+    config's."""
     import dataclasses
 
-    return dataclasses.replace(spec, extra={**settings.get(spec.role, {}), **spec.extra})
+    role = settings.get(spec.role)
+    if role is None:
+        return spec
+    return dataclasses.replace(spec, forward=spec.forward.over(role.forward),
+                               lora=spec.lora if spec.lora is not None else role.lora)
 
 
-def settings_of(ctx: BuildContext) -> dict[str, dict[str, Any]]:
+def settings_of(ctx: BuildContext) -> dict[str, RoleSettings]:
     from rlx.step import role_settings
 
     return {role: role_settings(ctx.config, role) for role in ("actor", "ref", "critic")}
@@ -1027,7 +1034,7 @@ class TorchBackend:
     """Builds :class:`TorchWorker` s for roles; picklable so process launchers can ship it."""
 
     def __init__(self, options: TorchBackendOptions, device: str,
-                 settings: dict[str, dict[str, Any]] | None = None) -> None:
+                 settings: dict[str, RoleSettings] | None = None) -> None:
         self.options, self.device, self.settings = options, device, settings or {}
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> TorchWorker:

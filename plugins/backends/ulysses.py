@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlx.batch import Batch
+    from rlx.records import ForwardOptions
 
 # The attention rlx registers with transformers for a sequence-parallel model (see ulysses_attention).
 ULYSSES_SDPA = "rlx_ulysses_sdpa"
@@ -38,8 +39,9 @@ ULYSSES_SDPA = "rlx_ulysses_sdpa"
 _CURRENT: list[Any] = [None, None]
 
 
-def ulysses_size(spec_extra: dict[str, Any], role: str) -> int:
-    size = int(spec_extra.get("ulysses_sequence_parallel_size", 1))
+def ulysses_size(forward: ForwardOptions, role: str) -> int:
+    """A role's sequence-parallel size (``RoleSpec.forward``), checked."""
+    size = int(forward.ulysses_sequence_parallel_size)
     if size < 1:
         raise UserError(f"{option_name(role)}={size}: it must be at least 1.",
                         f"Set {option_name(role)} to 1 (off) or to a divisor of the number of processes.")

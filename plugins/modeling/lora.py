@@ -1,6 +1,7 @@
 """LoRA through peft: adapters on a frozen base, merged weights for the rollout engine, adapter checkpoints.
 
-The settings travel to the workers as ``RoleSpec.extra["lora"]`` (:func:`settings`, from ``model.lora_*``).
+The settings travel to the workers as ``RoleSpec.lora``, a :class:`rlx.records.LoraSpec` (:func:`settings`, from
+``model.lora_*``).
 A worker wraps its Hugging Face model with :func:`apply`; only the adapters (and, on a value model, its
 one-output head) are trainable. The reference policy is the same model with the adapter switched off
 (peft's ``disable_adapter``), so no second copy of the base is loaded. The rollout engine and ``rlx
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import UserError
+from rlx.records import LoraSpec, lora_spec
 
 if TYPE_CHECKING:
     import torch
@@ -29,12 +31,14 @@ INSTALL_HINT = "Install peft: pip install 'rlx[peft]' (or pip install peft)."
 _VALUE_HEADS = ("score", "classifier")
 
 
-def settings(model: ModelConfig) -> dict[str, Any] | None:
-    """The LoRA settings a worker needs (``RoleSpec.extra["lora"]``), or None when LoRA is off."""
-    if model.lora_rank == 0:
-        return None
-    return {"rank": model.lora_rank, "alpha": model.lora_alpha, "target_modules": model.target_modules,
-            "exclude_modules": list(model.exclude_modules), "dropout": model.lora_dropout}
+def settings(model: ModelConfig) -> LoraSpec | None:
+    """The LoRA settings a worker needs (``RoleSpec.lora``), or None when LoRA is off (``rlx.records.lora_spec``)."""
+    return lora_spec(model)
+
+
+def _modules(targets: str | tuple[str, ...]) -> str | list[str]:
+    """``all-linear`` or the module names as a list (as the config gives them, and as peft takes them)."""
+    return targets if isinstance(targets, str) else list(targets)
 
 
 def peft_missing() -> bool:
@@ -62,22 +66,22 @@ def linear_modules(model: Any) -> list[str]:
             if isinstance(module, torch.nn.Linear) and module is not head]
 
 
-def _check_targets(model: Any, lora: dict[str, Any], excluded: list[str]) -> None:
+def _check_targets(model: Any, lora: LoraSpec, excluded: list[str]) -> None:
     """A target list that selects no linear layer is a user error naming some that exist."""
     linear = linear_modules(model)
-    targets = lora["target_modules"]
+    targets = _modules(lora.target_modules)
     chosen = [n for n in linear if (targets == "all-linear" or _matches(n, list(targets)))
               and not _matches(n, excluded)]
     if chosen:
         return
     suffixes = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear))
-    raise UserError(f"model.target_modules={targets} (exclude_modules={lora['exclude_modules']}) selects no "
+    raise UserError(f"model.target_modules={targets} (exclude_modules={list(lora.exclude_modules)}) selects no "
                     f"linear layer of {type(model).__name__}; its linear layers are named "
                     f"{', '.join(suffixes[:8])}{' ...' if len(suffixes) > 8 else ''}.",
                     "Set model.target_modules=all-linear, or list some of those names.")
 
 
-def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: torch.dtype | None) -> Any:
+def apply(model: Any, lora: LoraSpec, *, value_head: bool, adapter_dtype: torch.dtype | None) -> Any:
     """``model`` wrapped by peft with fresh adapters. The base's weights are frozen; the adapters (and a value
     model's head) are trainable and held in ``adapter_dtype`` (None: float32, peft's default)."""
     import torch
@@ -85,7 +89,7 @@ def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: 
     require_peft()
     from peft import LoraConfig, get_peft_model
 
-    excluded = list(lora["exclude_modules"])
+    excluded = list(lora.exclude_modules)
     head: list[str] = []
     if value_head:
         head = [name for name, _ in model.named_children() if name in _VALUE_HEADS]
@@ -95,8 +99,8 @@ def apply(model: Any, lora: dict[str, Any], *, value_head: bool, adapter_dtype: 
         excluded += [name for name, module in model.named_modules() if output is not None and module is output]
     _check_targets(model, lora, excluded)
     config = LoraConfig(
-        r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
-        target_modules=lora["target_modules"], exclude_modules=excluded or None, modules_to_save=head or None,
+        r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+        target_modules=_modules(lora.target_modules), exclude_modules=excluded or None, modules_to_save=head or None,
         task_type="TOKEN_CLS" if value_head else "CAUSAL_LM", bias="none")
     with warnings.catch_warnings():
         # peft asks the model for transformers' deprecated is_gradient_checkpointing: a FutureWarning meant
@@ -166,8 +170,8 @@ def merged_weights(wrapped: Any, scale: float) -> Iterator[tuple[str, torch.Tens
     yield from merge_stream(wrapped.state_dict().items(), scale)
 
 
-def scale_of(lora: dict[str, Any]) -> float:
-    return float(lora["alpha"]) / int(lora["rank"])
+def scale_of(lora: LoraSpec) -> float:
+    return lora.scale
 
 
 def is_adapter(name: str) -> bool:

@@ -351,7 +351,7 @@ class RewardModelTrainer:
                         total_steps=self.total_steps, lr_schedule=o.lr_schedule, grad_clip=o.grad_clip,
                         micro_batch_size=cfg.rm.micro_batch_size_per_device,
                         gradient_checkpointing=m.gradient_checkpointing, seed=cfg.trainer.seed,
-                        trust_remote_code=m.trust_remote_code, extra={"min_lr_ratio": o.min_lr_ratio})
+                        trust_remote_code=m.trust_remote_code, min_lr_ratio=o.min_lr_ratio)
         self.worker = RewardModelWorker(spec, resolved.options.get("backend") or TorchBackendOptions(),
                                         cfg.trainer.device)
         self.worker.set_pad_token_id(self.tokenizer.pad_token_id)

@@ -74,9 +74,51 @@ def test_critic_gets_its_own_optimizer_settings(tmp_path, monkeypatch):
     c, a = specs["critic"], specs["actor"]
     assert c.value_head and not a.value_head
     assert (c.lr, c.weight_decay, c.warmup_steps, c.lr_schedule, c.grad_clip) == (0.005, 0.25, 3, "cosine", 0.5)
-    assert (c.micro_batch_size, c.extra["log_prob_micro_batch_size"], c.extra["min_lr_ratio"]) == (5, 6, 0.1)
+    assert (c.micro_batch_size, c.forward.log_prob_micro_batch_size, c.min_lr_ratio) == (5, 6, 0.1)
     assert c.total_steps == 7 * 3 * (8 // 2) and a.total_steps == 7 * t.cfg.actor.ppo_epochs * (8 // 2)
     assert a.lr != c.lr and a.model_path == c.model_path
+
+
+def test_role_spec_has_typed_fields_only():
+    """What a backend gets for a role is typed (issue 26): no string-keyed ``extra`` dict comes back."""
+    import dataclasses
+
+    from rlx.protocols import RoleSpec
+    from rlx.records import ForwardOptions, LoraSpec
+
+    fields = {f.name: f.type for f in dataclasses.fields(RoleSpec)}
+    assert "extra" not in fields and not any("dict" in str(t) for t in fields.values())
+    spec = RoleSpec(role="actor", model_path="unused", trainable=True)
+    assert spec.forward == ForwardOptions() and spec.lora is None and spec.min_lr_ratio == 0.0
+    assert dataclasses.is_dataclass(LoraSpec) and LoraSpec.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert ForwardOptions.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def test_role_specs_carry_the_configs_forward_options(tmp_path, monkeypatch):
+    """The trainer hands each backend a RoleSpec whose typed ``forward`` holds the role's section of the config
+    (the reference the actor's)."""
+    from rlx.plugins.backends import torch_local
+
+    specs = {}
+    original = torch_local.TorchBackend.worker
+
+    def worker(self, spec, rank=0, world_size=1):
+        specs[spec.role] = spec
+        return original(self, spec, rank, world_size)
+
+    monkeypatch.setattr(torch_local.TorchBackend, "worker", worker)
+    make_trainer(tmp_path / "run", "algorithm.name=ppo", "algorithm.use_kl_loss=true", "data.max_prompt_length=64",
+                 "data.max_response_length=59", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=123",
+                 "actor.log_prob_max_token_len_per_gpu=124", "actor.log_prob_chunk_size=7",
+                 "actor.use_remove_padding=false", "actor.log_prob_micro_batch_size_per_device=3",
+                 "actor.optim.min_lr_ratio=0.2", "critic.forward_max_token_len_per_gpu=456")
+    a, r, c = specs["actor"].forward, specs["ref"].forward, specs["critic"].forward
+    assert (a.use_dynamic_bsz, a.update_budget, a.forward_budget) == (
+        True, (123, "actor.ppo_max_token_len_per_gpu"), (124, "actor.log_prob_max_token_len_per_gpu"))
+    assert (a.log_prob_chunk_size, a.use_remove_padding, a.log_prob_micro_batch_size) == (7, False, 3)
+    assert r == a and specs["actor"].min_lr_ratio == 0.2 and specs["actor"].lora is None
+    assert (c.use_dynamic_bsz, c.use_remove_padding, c.log_prob_max_token_len) == (False, True, 456)
+    assert c.log_prob_max_token_len_option == "critic.forward_max_token_len_per_gpu"
 
 
 def test_logged_rows_config_file_and_hook_arguments(tmp_path):

@@ -4,6 +4,7 @@ the learning-rate schedule, checkpoints, skipped non-finite steps and frozen rol
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -15,6 +16,7 @@ from rlx.batch import Batch
 from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, lr_lambda
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 
 PAD = 0
 TEMPERATURE = 0.7
@@ -96,7 +98,7 @@ def test_compute_log_probs_matches_manual(model_path):
     ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     torch.testing.assert_close(out["entropy"][0][mask[0]], ent, atol=1e-5, rtol=0)
     # Neither the micro-batch size nor the temperature's absence (1.0) changes how rows are scored.
-    worker.spec.extra["log_prob_micro_batch_size"] = 8
+    worker.spec = dataclasses.replace(worker.spec, forward=ForwardOptions(log_prob_micro_batch_size=8))
     whole = worker.compute_log_probs(batch)
     torch.testing.assert_close(whole["log_probs"][mask], out["log_probs"][mask], atol=1e-5, rtol=0)
     plain = Batch(dict(batch.tensors))
@@ -135,8 +137,8 @@ ATOL_PADDED, ATOL_PACKED = 1e-6, 1e-5
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_gradient_accumulation_is_exact(model_path, agg, packed):
     """One step on 8 sequences: a single micro-batch of 8 and four of 2 give the same weights."""
-    whole = make_worker(model_path, micro_batch_size=8, extra={"use_remove_padding": packed})
-    micro = make_worker(model_path, micro_batch_size=2, extra={"use_remove_padding": packed})
+    whole = make_worker(model_path, micro_batch_size=8, forward=ForwardOptions(use_remove_padding=packed))
+    micro = make_worker(model_path, micro_batch_size=2, forward=ForwardOptions(use_remove_padding=packed))
     assert whole.packed is packed
     start = weights(whole)
     m_whole = whole.train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
@@ -166,7 +168,7 @@ def test_lr_schedule_values(model_path):
     expected = [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]
     assert [warm_cos(s) for s in range(7)] == pytest.approx(expected)
     assert warm_cos(100) == pytest.approx(0.0)  # stays at the floor after total_steps
-    floor = lr_lambda(RoleSpec(**base, total_steps=4, lr_schedule="cosine", extra={"min_lr_ratio": 0.1}))
+    floor = lr_lambda(RoleSpec(**base, total_steps=4, lr_schedule="cosine", min_lr_ratio=0.1))
     assert [floor(s) for s in (0, 2, 4)] == pytest.approx([1.0, 0.1 + 0.9 * 0.5, 0.1])
     linear = lr_lambda(RoleSpec(**base, warmup_steps=1, total_steps=5, lr_schedule="linear"))
     assert [linear(s) for s in range(6)] == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25, 0.0])
@@ -295,8 +297,8 @@ def test_critic_values_are_aligned_with_the_state_before_each_token(model_path):
 def test_critic_gradient_accumulation_is_exact(model_path, packed):
     from rlx.plugins.algorithms.base import CriticLoss
 
-    whole = make_critic(model_path, micro_batch_size=8, extra={"use_remove_padding": packed})
-    micro = make_critic(model_path, micro_batch_size=2, extra={"use_remove_padding": packed})
+    whole = make_critic(model_path, micro_batch_size=8, forward=ForwardOptions(use_remove_padding=packed))
+    micro = make_critic(model_path, micro_batch_size=2, forward=ForwardOptions(use_remove_padding=packed))
     assert whole.packed is packed
     start = weights(whole)
     batch = critic_batch()

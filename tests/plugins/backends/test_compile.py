@@ -23,6 +23,7 @@ from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends import torch_local
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, compile_decoder_layers
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions, RoleSettings
 
 # Inductor compiles CPU kernels with the system's C++ compiler (CI installs g++ when it is missing).
 needs_cxx_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in torch_local.CXX_COMPILERS),
@@ -35,10 +36,10 @@ def model_path(tiny_model_path, one_thread):
     return tiny_model_path
 
 
-def worker(path: str, role: str = "actor", **extra: Any) -> TorchWorker:
-    gc = bool(extra.pop("gradient_checkpointing", False))
+def worker(path: str, role: str = "actor", **options: Any) -> TorchWorker:
+    gc = bool(options.pop("gradient_checkpointing", False))
     spec = RoleSpec(role=role, model_path=path, trainable=True, value_head=role == "critic", lr=1e-3,
-                    micro_batch_size=4, gradient_checkpointing=gc, extra=extra)
+                    micro_batch_size=4, gradient_checkpointing=gc, forward=ForwardOptions(**options))
     return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
 
@@ -173,7 +174,7 @@ def test_fsdp1_and_megatron_refuse_compilation_before_the_run():
                                                               f"backend.name={backend}"]).config
         assert config.actor.use_torch_compile and not config.critic.use_torch_compile
     assert any("actor.use_torch_compile=true belongs to the torch and fsdp2 backends" in p
-               for p in settings_problems({"actor": {"use_torch_compile": True}}))
+               for p in settings_problems({"actor": RoleSettings(ForwardOptions(use_torch_compile=True))}))
 
 
 # -- fsdp2 over 2 gloo processes ------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def _fsdp2_rank(rank: int, world: int, port: int, path: str, batch: Any, out: st
         res: dict[str, Any] = {}
         for name, compiled in (("eager", False), ("compiled", True)):
             spec = RoleSpec(role="actor", model_path=path, trainable=True, lr=1e-3, micro_batch_size=2,
-                            extra={"use_torch_compile": compiled})
+                            forward=ForwardOptions(use_torch_compile=compiled))
             w = FSDPWorker(spec, FSDP2Options(), "cpu", "fsdp2")
             res[f"{name}_log_probs"] = w.compute_log_probs(mine, with_entropy=True)["log_probs"]
             res[f"{name}_metrics"] = w.update([mine], grpo_loss())

@@ -29,6 +29,7 @@ from rlx.dispatch import balance_for_ranks, shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 from rlx.step import _token_bins, role_settings, row_tokens
 
 BUDGET = 25  # tokens per micro-batch: the test batch's rows hold 7 to 14 tokens, 84 in all
@@ -40,17 +41,19 @@ def model_path(tiny_model_path, one_thread):
     return tiny_model_path
 
 
-def dynamic(budget: int = BUDGET, **extra: Any) -> dict[str, Any]:
+def dynamic(budget: int = BUDGET, **options: Any) -> dict[str, Any]:
+    """ForwardOptions' arguments for token budgets of ``budget`` (padded rows)."""
     return {"use_dynamic_bsz": True, "use_remove_padding": False,
             "ppo_max_token_len": budget, "ppo_max_token_len_option": "actor.ppo_max_token_len_per_gpu",
             "log_prob_max_token_len": budget, "log_prob_max_token_len_option": "actor.log_prob_max_token_len_per_gpu",
-            **extra}
+            **options}
 
 
-def make(path: str, role: str = "actor", rank: int = 0, world: int = 1, micro: int = 8, **extra: Any) -> TorchWorker:
+def make(path: str, role: str = "actor", rank: int = 0, world: int = 1, micro: int = 8,
+         **options: Any) -> TorchWorker:
+    forward = ForwardOptions(**{"log_prob_micro_batch_size": micro, "use_remove_padding": False, **options})
     spec = RoleSpec(role=role, model_path=path, trainable=True, value_head=role == "critic", lr=1e-3,
-                    micro_batch_size=micro, extra={"log_prob_micro_batch_size": micro, "use_remove_padding": False,
-                                                   **extra})
+                    micro_batch_size=micro, forward=forward)
     return TorchWorker(spec, TorchBackendOptions(), "cpu", rank, world)
 
 
@@ -136,7 +139,7 @@ def test_dynamic_log_probs_and_values_come_back_in_row_order(model_path):
     varied = make(model_path, **dynamic(budget=20)).compute_log_probs(batch, with_entropy=True)
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(varied[key][mask], fixed[key][mask], atol=1e-6, rtol=0, msg=key)
-    values = [make(model_path, "critic", **extra).compute_values(batch)["values"] for extra in ({}, dynamic(20))]
+    values = [make(model_path, "critic", **options).compute_values(batch)["values"] for options in ({}, dynamic(20))]
     torch.testing.assert_close(values[1], values[0], atol=1e-6, rtol=0)
 
 
@@ -177,20 +180,47 @@ def test_role_settings_reach_the_workers(model_path):
                                  "use_remove_padding": False, "log_prob_chunk_size": 0},
                        "critic": {"forward_max_token_len_per_gpu": 2048}})
     assert role_settings(config, "ref") == role_settings(config, "actor")
-    assert role_settings(config, "critic")["log_prob_max_token_len"] == 2048
+    assert role_settings(config, "critic").forward.log_prob_max_token_len == 2048
     backend = TorchBackend(TorchBackendOptions(), "cpu",
                            {r: role_settings(config, r) for r in ("actor", "ref", "critic")})
     ref = backend.worker(RoleSpec(role="ref", model_path=model_path, trainable=False))
     assert ref.forward_budget == (4096, "actor.log_prob_max_token_len_per_gpu")
     assert not ref.packed and ref.chunk_size == 0
-    # the trainer's own extras win over the config's
+    # the spec's own forward options win over the config's
     critic = backend.worker(RoleSpec(role="critic", model_path=model_path, trainable=True, value_head=True,
-                                     extra={"use_remove_padding": False}))
+                                     forward=ForwardOptions(use_remove_padding=False)))
     assert critic.forward_budget is None and not critic.packed
     from rlx.plugins.backends.torch_local import build
 
     built = build(None, BuildContext(config, RunInfo(".", "p", "e", {})))
-    assert built.settings["actor"]["log_prob_max_token_len"] == 4096
+    assert built.settings["actor"].forward.log_prob_max_token_len == 4096
+
+
+def test_a_specs_own_settings_win_field_by_field():
+    """with_role_settings: each forward option a spec leaves at its default takes the config's, each it sets
+    stays; a spec without LoRA takes the config's adapters."""
+    import dataclasses
+
+    from rlx.plugins.backends.torch_local import with_role_settings
+    from rlx.records import LoraSpec, RoleSettings
+
+    config = ForwardOptions(use_dynamic_bsz=True, ppo_max_token_len=64, ppo_max_token_len_option="actor.x",
+                            log_prob_max_token_len=32, log_prob_chunk_size=0, model_dtype="bfloat16")
+    own = ForwardOptions(use_remove_padding=False, log_prob_micro_batch_size=2, log_prob_chunk_size=5)
+    assert own.over(config) == dataclasses.replace(config, use_remove_padding=False, log_prob_micro_batch_size=2,
+                                                   log_prob_chunk_size=5)
+    assert ForwardOptions().over(config) == config and config.over(ForwardOptions()) == config
+    lora = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj"])
+    settings = {"actor": RoleSettings(config, lora)}
+    spec = RoleSpec(role="actor", model_path="unused", trainable=True, forward=own)
+    merged = with_role_settings(spec, settings)
+    assert merged.forward == own.over(config) and merged.lora == lora and lora.target_modules == ("q_proj",)
+    mine = LoraSpec(rank=8, alpha=8.0)
+    assert with_role_settings(dataclasses.replace(spec, lora=mine), settings).lora == mine
+    assert with_role_settings(dataclasses.replace(spec, role="critic"), settings) == dataclasses.replace(
+        spec, role="critic")  # no settings for the role: the spec as it is
+    with pytest.raises(ValueError, match="needs ppo_max_token_len"):
+        _ = ForwardOptions(use_dynamic_bsz=True).update_budget
 
 
 def test_balance_for_ranks_keeps_the_row_counts_and_evens_the_tokens(model_path):

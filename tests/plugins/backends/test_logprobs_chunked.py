@@ -27,6 +27,7 @@ from rlx.plugins.backends.torch_local import (
     fused_head_supported,
 )
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 
 VOCAB = 4096
 
@@ -156,7 +157,7 @@ def wide_model(tmp_path_factory) -> str:
 
 def worker(path: str, chunk: int, packed: bool = True) -> TorchWorker:
     spec = RoleSpec(role="actor", model_path=path, trainable=True, lr=1e-3, micro_batch_size=8,
-                    extra={"log_prob_chunk_size": chunk, "use_remove_padding": packed})
+                    forward=ForwardOptions(log_prob_chunk_size=chunk, use_remove_padding=packed))
     return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
 

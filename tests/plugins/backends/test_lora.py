@@ -25,6 +25,7 @@ from rlx.config import validate
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions, LoraSpec
 from rlx.step import role_settings
 
 pytest.importorskip("peft")
@@ -37,15 +38,16 @@ def model_path(tiny_model_path, one_thread):
     return tiny_model_path
 
 
-def lora(rank: int = 4, **changes: Any) -> dict[str, Any]:
-    return {"rank": rank, "alpha": 16.0, "target_modules": "all-linear", "exclude_modules": [], "dropout": 0.0,
-            **changes}
+def lora(rank: int = 4, **changes: Any) -> LoraSpec:
+    return LoraSpec(**{"rank": rank, "alpha": 16.0, "target_modules": "all-linear", "exclude_modules": (),
+                       "dropout": 0.0, **changes})
 
 
-def make(path: str, trainable: bool = True, critic: bool = False, lr: float = 1e-2,
-         **extra: Any) -> TorchWorker:
+def make(path: str, trainable: bool = True, critic: bool = False, lr: float = 1e-2, lora: LoraSpec | None = None,
+         **options: Any) -> TorchWorker:
     spec = RoleSpec(role="critic" if critic else "actor", model_path=path, trainable=trainable, value_head=critic,
-                    lr=lr, micro_batch_size=8, seed=0, extra={"use_remove_padding": False, **extra})
+                    lr=lr, micro_batch_size=8, seed=0, forward=ForwardOptions(use_remove_padding=False, **options),
+                    lora=lora)
     return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
 
@@ -218,11 +220,10 @@ def test_targets_that_match_nothing_are_named(model_path):
 def test_config_options_reach_the_workers():
     config = validate({"model": {"lora_rank": 16, "lora_alpha": 32, "target_modules": ["q_proj"],
                                  "exclude_modules": "v_proj", "lora_dropout": 0.05}})
-    expected = {"rank": 16, "alpha": 32.0, "target_modules": ["q_proj"], "exclude_modules": ["v_proj"],
-                "dropout": 0.05}
+    expected = LoraSpec(rank=16, alpha=32.0, target_modules=("q_proj",), exclude_modules=("v_proj",), dropout=0.05)
     for role in ("actor", "critic"):
-        assert role_settings(config, role)["lora"] == expected
-    assert role_settings(validate({}), "actor")["lora"] is None
+        assert role_settings(config, role).lora == expected
+    assert role_settings(validate({}), "actor").lora is None
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -30,6 +30,7 @@ from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions, LoraSpec
 
 pytest.importorskip("peft")
 
@@ -50,17 +51,17 @@ METRIC_ATOL = 1e-7
 # is partly rounding noise: see tests/plugins/backends/test_fsdp.py) and its merged weights are compared to 1e-5.
 SP_METRIC_ATOL = 2e-5
 SP_LR, SP_ATOL = 1e-4, 1e-5
-LORA = {"rank": 4, "alpha": 16.0, "target_modules": "all-linear", "exclude_modules": [], "dropout": 0.0}
+LORA = LoraSpec(rank=4, alpha=16.0, target_modules="all-linear", exclude_modules=(), dropout=0.0)
 
 
-def actor_spec(path: str, lora: dict[str, Any] | None = LORA, lr: float = 1e-2, **extra: Any) -> RoleSpec:
+def actor_spec(path: str, lora: LoraSpec | None = LORA, lr: float = 1e-2, **options: Any) -> RoleSpec:
     return RoleSpec(role="actor", model_path=path, trainable=True, lr=lr, micro_batch_size=2, seed=3,
-                    extra={"lora": lora, **extra}, **SCHEDULE)
+                    forward=ForwardOptions(**options), lora=lora, **SCHEDULE)
 
 
 def critic_spec(path: str) -> RoleSpec:
     return RoleSpec(role="critic", model_path=path, trainable=True, value_head=True, lr=1e-2, micro_batch_size=2,
-                    seed=3, extra={"lora": LORA}, **SCHEDULE)
+                    seed=3, lora=LORA, **SCHEDULE)
 
 
 def fsdp2(spec: RoleSpec, engine: str = "fsdp2") -> Any:

@@ -4,6 +4,8 @@ weights, gradients and AdamW moments (half the trained role's memory, as TRL and
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 from test_backend_torch import critic_batch, grpo_loss, make_batch
@@ -12,6 +14,7 @@ from rlx.config import validate
 from rlx.errors import ConfigError
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 from rlx.step import role_settings
 
 
@@ -20,10 +23,10 @@ def model_path(tiny_model_path, one_thread):
     return tiny_model_path
 
 
-def make(path: str, model_dtype: str | None, critic: bool = False) -> TorchWorker:
-    extra = {"use_remove_padding": False} | ({"model_dtype": model_dtype} if model_dtype else {})
+def make(path: str, model_dtype: Literal["float32", "bfloat16"] | None, critic: bool = False) -> TorchWorker:
+    forward = ForwardOptions(use_remove_padding=False, **({"model_dtype": model_dtype} if model_dtype else {}))
     spec = RoleSpec(role="critic" if critic else "actor", model_path=path, trainable=True, value_head=critic,
-                    lr=1e-2, micro_batch_size=8, extra=extra)
+                    lr=1e-2, micro_batch_size=8, forward=forward)
     return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
 
@@ -64,13 +67,13 @@ def test_float32_master_weights_stay_the_default(model_path):
         assert moment_dtypes(worker) == {torch.float32}
     config = validate({})
     assert config.actor.model_dtype == config.critic.model_dtype == "float32"
-    assert role_settings(config, "actor")["model_dtype"] == "float32"
+    assert role_settings(config, "actor").forward.model_dtype == "float32"
 
 
 def test_config_reaches_the_roles():
     config = validate({"actor": {"model_dtype": "bfloat16"}, "critic": {"model_dtype": "bfloat16"}})
-    assert role_settings(config, "actor")["model_dtype"] == "bfloat16"
-    assert role_settings(config, "critic")["model_dtype"] == "bfloat16"
+    assert role_settings(config, "actor").forward.model_dtype == "bfloat16"
+    assert role_settings(config, "critic").forward.model_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("value", ["fp16", "bf16", "float16"])
@@ -104,7 +107,7 @@ def test_fsdp_backends_train_bf16_weights(model_path, group, engine):
     from rlx.validate import load_config
 
     spec = RoleSpec(role="actor", model_path=model_path, trainable=True, lr=1e-2, micro_batch_size=8,
-                    extra={"use_remove_padding": False, "model_dtype": "bfloat16"})
+                    forward=ForwardOptions(use_remove_padding=False, model_dtype="bfloat16"))
     worker = FSDPWorker(spec, FSDP2Options() if engine == "fsdp2" else FSDPOptions(), "cpu", engine)
     assert dtypes(worker) == {torch.bfloat16}
     before = {n: local(p).detach().clone() for n, p in worker.model.named_parameters()}

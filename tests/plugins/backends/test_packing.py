@@ -32,6 +32,7 @@ from rlx.plugins.backends.torch_local import (
     response_values,
 )
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 
 ATOL = 2e-5
 GRAD_RTOL = 1e-4
@@ -43,13 +44,13 @@ def model_path(tiny_model_path, one_thread):
     return tiny_model_path
 
 
-def spec(path: str, role: str = "actor", **extra: Any) -> RoleSpec:
+def spec(path: str, role: str = "actor", **options: Any) -> RoleSpec:
     return RoleSpec(role=role, model_path=path, trainable=role != "ref", value_head=role == "critic", lr=1e-3,
-                    micro_batch_size=8, extra=extra)
+                    micro_batch_size=8, forward=ForwardOptions(**options))
 
 
-def worker(path: str, role: str = "actor", attn: str = "sdpa", **extra: Any) -> TorchWorker:
-    return TorchWorker(spec(path, role, **extra), TorchBackendOptions(attn_implementation=attn), "cpu")
+def worker(path: str, role: str = "actor", attn: str = "sdpa", **options: Any) -> TorchWorker:
+    return TorchWorker(spec(path, role, **options), TorchBackendOptions(attn_implementation=attn), "cpu")
 
 
 def grads(model: Any) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ from rlx.errors import UserError
 from rlx.plugins.algorithms.base import CriticLoss
 from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
+from rlx.records import ForwardOptions
 
 pytestmark = pytest.mark.multiproc
 
@@ -55,18 +56,18 @@ DYNAMIC_ATOL = 1e-5
 METRIC_ATOL = 1e-6
 
 
-def actor_spec(path: str, **extra: Any) -> RoleSpec:
+def actor_spec(path: str, **options: Any) -> RoleSpec:
     return RoleSpec(role="actor", model_path=path, trainable=True, lr=3e-4, micro_batch_size=2, warmup_steps=2,
-                    total_steps=8, lr_schedule="cosine", extra=extra)
+                    total_steps=8, lr_schedule="cosine", forward=ForwardOptions(**options))
 
 
-def critic_spec(path: str, **extra: Any) -> RoleSpec:
+def critic_spec(path: str, **options: Any) -> RoleSpec:
     return RoleSpec(role="critic", model_path=path, trainable=True, value_head=True, lr=1e-3, micro_batch_size=2,
-                    extra=extra)
+                    forward=ForwardOptions(**options))
 
 
-def ref_spec(path: str, **extra: Any) -> RoleSpec:
-    return RoleSpec(role="ref", model_path=path, trainable=False, micro_batch_size=3, extra=extra)
+def ref_spec(path: str, **options: Any) -> RoleSpec:
+    return RoleSpec(role="ref", model_path=path, trainable=False, micro_batch_size=3, forward=ForwardOptions(**options))
 
 
 def minibatches(batch: Batch) -> list[Batch]:

@@ -324,6 +324,7 @@ BALANCED_UPDATE = textwrap.dedent('''
     from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.protocols import RoleSpec, RunInfo, TrainWorker
+    from rlx.records import ForwardOptions
     from rlx.trainer import ppo_update
     from rlx.step import row_tokens
 
@@ -333,7 +334,7 @@ BALANCED_UPDATE = textwrap.dedent('''
         dynamic = {{"use_dynamic_bsz": True, "ppo_max_token_len": 30, "ppo_max_token_len_option": "ppo",
                    "log_prob_max_token_len": 30, "log_prob_max_token_len_option": "log_prob"}}
         spec = RoleSpec(role="actor", model_path=builtin.resolve("builtin:tiny-qwen2"), trainable=True, lr=3e-4,
-                        micro_batch_size=2, seed=0, extra=dynamic)
+                        micro_batch_size=2, seed=0, forward=ForwardOptions(**dynamic))
         actor = launcher.create_group("actor", partial(TorchBackend(TorchBackendOptions(), "cpu").worker, spec))
         shares = []  # the tokens each rank is sent, per call
         if nproc > 1:
