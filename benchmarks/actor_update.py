@@ -192,8 +192,8 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, v:
     import torch
 
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
-    from rlx.plugins.backends import torch_local
-    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.modeling import packing
+    from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
     from rlx.protocols import RoleSpec
     from rlx.records import ForwardOptions
 
@@ -212,7 +212,7 @@ def run_variant(path: str, device: str, batch: Any, args: argparse.Namespace, v:
     if device != "cpu":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    torch_local._VARLEN[:] = [] if v["varlen"] else [None, False]
+    packing._VARLEN[:] = [] if v["varlen"] else [None, False]
     worker = TorchWorker(spec, TorchBackendOptions(attn_implementation=v["attn"]), device)
     if v["eagerhead"]:
         worker.compile_head = False
@@ -253,7 +253,7 @@ def equivalence() -> None:
 
     from rlx.plugins.algorithms.base import CriticLoss
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
-    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
     from rlx.plugins.tasks import builtin
     from rlx.protocols import RoleSpec
     from rlx.records import ForwardOptions

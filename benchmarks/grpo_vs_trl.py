@@ -141,7 +141,7 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlx.plugins.backends.torch_local import response_log_probs
+    from rlx.plugins.modeling.head import response_log_probs
     from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
     from rlx.protocols import SamplingParams
 

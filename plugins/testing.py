@@ -13,7 +13,7 @@ A plugin runs the whole contract with one import and one method::
 The class builds its own policies (the built-in tiny Qwen2's architecture, head_dim 32, with larger random
 weights so that next-token distributions are peaked and differ between prompts; the end-of-sequence token is
 made likely so that responses end at different places), builds one engine on the first and runs these checks
-against the training backend's forward pass (``rlx.plugins.backends.torch_local.response_log_probs``):
+against the training backend's forward pass (``rlx.plugins.modeling.head.response_log_probs``):
 
 - layout: ``B*n`` rows, each prompt's ``n`` samples adjacent, prompts and masks as given, non-tensor columns
   repeated, responses right-padded with mask 0, finite log-probs <= 0 and 0 at padding;
@@ -496,7 +496,7 @@ class RolloutEngineContract:
     def _assert_log_probs_of(self, model: Any, out: Batch, temperature: float) -> None:
         """``out``'s log-probs against the training backend's forward pass of ``model`` (padded, as the
         actor computes old_log_probs)."""
-        from rlx.plugins.backends.torch_local import response_log_probs
+        from rlx.plugins.modeling.head import response_log_probs
 
         with torch.no_grad():
             lp, _ = response_log_probs(model, out, temperature, with_entropy=False)

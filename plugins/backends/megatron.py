@@ -182,7 +182,7 @@ def init_parallel(options: MegatronOptions, device: str, seed: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from rlx.plugins.backends.fsdp import ensure_process_group
+    from rlx.plugins.modeling.dist import ensure_process_group
 
     ensure_process_group(device)
     check_layout(options, dist.get_world_size())
@@ -467,7 +467,6 @@ class MegatronWorker:
         import torch
         from megatron.core import parallel_state as mpu
 
-        from rlx.plugins.backends.fsdp import rank_device
         from rlx.plugins.backends.megatron_convert import (
             build_chunks,
             check_architecture,
@@ -475,7 +474,8 @@ class MegatronWorker:
             make_bridge,
             read_hf_config,
         )
-        from rlx.plugins.backends.torch_local import pick_device
+        from rlx.plugins.modeling.dist import rank_device
+        from rlx.plugins.modeling.model import pick_device
 
         require_megatron()
         if pick_device(device) == "cpu":
@@ -598,7 +598,7 @@ class MegatronWorker:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        from rlx.plugins.backends.torch_local import lr_lambda
+        from rlx.plugins.modeling.model import lr_lambda
 
         assert self.optimizer is not None
         finalize_model_grads(self.model)
@@ -633,7 +633,7 @@ class MegatronWorker:
 
     def _forward_batch(self, batch: Batch, with_entropy: bool) -> Batch:
         from rlx.batch import Batch
-        from rlx.plugins.backends.torch_local import forward_micro_batch_size
+        from rlx.plugins.modeling.model import forward_micro_batch_size
         from rlx.step import MODEL_COLUMNS, micro_batches, run_forward
 
         size = forward_micro_batch_size(self.spec)
@@ -841,7 +841,7 @@ class MegatronBackend:
         self.options, self.device, self.settings = options, device, settings or {}
 
     def worker(self, spec: RoleSpec, rank: int = 0, world_size: int = 1) -> MegatronWorker:
-        from rlx.plugins.backends.torch_local import with_role_settings
+        from rlx.plugins.modeling.model import with_role_settings
 
         return MegatronWorker(with_role_settings(spec, self.settings), self.options, self.device)
 
@@ -860,7 +860,7 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
     """Checks what can be checked before any process starts: megatron-core and mbridge installed, the layout
     against the processes, the model's architecture, heads and layers."""
     from rlx.plugins.backends.megatron_convert import check_architecture, read_hf_config
-    from rlx.plugins.backends.torch_local import settings_of
+    from rlx.plugins.modeling.model import settings_of
 
     options = options or MegatronOptions()
     require_megatron()

@@ -436,7 +436,7 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlx.plugins.backends.fsdp import dcp_failure
+    from rlx.plugins.modeling.dist import dcp_failure
 
     reader, metadata = _dist_reader(folder)
     bridge = make_bridge(hf_config, torch.float32, {}, one_process=True)
@@ -471,7 +471,7 @@ def read_checkpoint(folder: str, hf_config: Any, *, value_head: bool) -> Iterato
 def _dist_reader(folder: str) -> tuple[Any, Any]:
     """A reader of the checkpoint folder that never runs code from it (the index read with the fsdp backends'
     restricted unpickler, the tensors with ``weights_only``), and its index."""
-    from rlx.plugins.backends.fsdp import dcp_failure, safe_dcp_reader
+    from rlx.plugins.modeling.dist import dcp_failure, safe_dcp_reader
 
     if not os.path.isdir(folder):
         raise UserError(f"{folder} is missing: the checkpoint was not written by the megatron backend, or is "

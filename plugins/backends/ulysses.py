@@ -5,7 +5,7 @@ ranks of a group receive the same data (one data-parallel rank of ``world // sp`
 along the sequence, each running the model on 1/sp of its tokens. Everything outside attention is per
 token, so it runs on the local slice unchanged (rotary embeddings take the slice's own position ids).
 Attention needs every token of a sequence: around the kernel an all-to-all turns the local (tokens/sp, all
-heads) into (all tokens, heads/sp), the packed attention (:func:`rlx.plugins.backends.torch_local.packed_sdpa`,
+heads) into (all tokens, heads/sp), the packed attention (:func:`rlx.plugins.modeling.packing.packed_sdpa`,
 given the whole row's position ids) runs on those heads, and a second all-to-all turns its output back.
 Key/value heads that sp does not divide are repeated first (verl's way), so only the query heads must be a
 multiple of sp.
@@ -160,7 +160,7 @@ def ulysses_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Packed attention over a sequence-parallel group: (1, heads, local tokens, d) in, (1, local tokens,
     heads, d) out, the kernel itself run on all tokens and heads/sp (see the module doc)."""
-    from rlx.plugins.backends.torch_local import packed_sdpa
+    from rlx.plugins.modeling.packing import packed_sdpa
 
     sp, positions = _CURRENT
     if sp is None or attention_mask is not None or query.shape[0] != 1:
@@ -187,7 +187,7 @@ def use_ulysses_attention(hf_model: Any, role: str) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from rlx.plugins.backends.torch_local import PACKED_SDPA, _packed_sdpa_mask
+    from rlx.plugins.modeling.packing import PACKED_SDPA, _packed_sdpa_mask
 
     config = hf_model.config
     if config._attn_implementation != PACKED_SDPA:
@@ -216,7 +216,7 @@ class SequenceParallel:
         0), which predicts nothing."""
         import torch
 
-        from rlx.plugins.backends.torch_local import model_inputs
+        from rlx.plugins.modeling.packing import model_inputs
 
         inputs, keep = model_inputs(batch, packed=True)
         ids, positions = inputs["input_ids"], inputs["position_ids"]
@@ -242,12 +242,13 @@ class SequenceParallel:
     def log_probs(self, model: Any, hf_model: Any, batch: Batch, temperature: float, with_entropy: bool,
                   entropy_grad: bool, chunk_size: int, compile_head: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:func:`rlx.plugins.backends.torch_local.response_log_probs` of a packed batch, computed on this
+        """:func:`rlx.plugins.modeling.head.response_log_probs` of a packed batch, computed on this
         rank's slice (the chunked head included) and gathered: (b, R) log-probs and entropies."""
         import torch
 
-        from rlx.plugins.backends.torch_local import _accepts, _head_replaced, fused_head_supported, unpack
+        from rlx.plugins.modeling.head import _head_replaced, fused_head_supported
         from rlx.plugins.modeling.logits import entropy_from_logits, log_probs_from_logits
+        from rlx.plugins.modeling.packing import _accepts, unpack
 
         mask = batch["response_mask"].bool()
         inputs, keep, counts = self.shard(batch)
@@ -279,9 +280,9 @@ class SequenceParallel:
         return unpack(both[:, 0], mask), entropy
 
     def values(self, model: Any, batch: Batch) -> torch.Tensor:
-        """:func:`rlx.plugins.backends.torch_local.response_values` of a packed batch, computed on this
+        """:func:`rlx.plugins.modeling.head.response_values` of a packed batch, computed on this
         rank's slice and gathered: (b, R)."""
-        from rlx.plugins.backends.torch_local import unpack
+        from rlx.plugins.modeling.packing import unpack
 
         inputs, keep, counts = self.shard(batch)
         values = model(**inputs, use_cache=False).logits[0, keep]  # (n_r, 1)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import UserError, describe_exception
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, pick_device
+from rlx.plugins.modeling.model import pick_device
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.plugins.tasks.datasets import (
     PreferencePair,
     conversation_ids,

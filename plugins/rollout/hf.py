@@ -62,7 +62,7 @@ class HFRollout:
         from transformers import AutoModelForCausalLM
 
         from rlx.config import resolve_dtype
-        from rlx.plugins.backends.torch_local import pick_device
+        from rlx.plugins.modeling.model import pick_device
 
         self.device = pick_device(device)
         name = resolve_dtype(options.dtype, self.device)

@@ -50,7 +50,7 @@ def test_every_method_the_controller_calls_is_declared_by_its_protocol_and_built
     assert ("TrainWorker", "update") in calls and ("RolloutEngine", "generate") in calls
     protocols = {"TrainWorker": TrainWorker, "RolloutEngine": RolloutEngine, "RewardScorer": RewardScorer}
     from rlx.plugins.backends.fsdp import FSDPWorker
-    from rlx.plugins.backends.torch_local import TorchWorker
+    from rlx.plugins.modeling.worker import TorchWorker
     from rlx.plugins.rollout.hf import HFRollout
     from rlx.run.reward_worker import RewardWorker
 

@@ -15,7 +15,7 @@ def test_actor_keeps_float32_master_weights_and_trains_under_autocast(tiny_model
 
     from rlx.batch import Batch
     from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
-    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
     from rlx.protocols import RoleSpec
 
     actor = TorchWorker(RoleSpec(role="actor", model_path=tiny_model_path, trainable=True, dtype="bfloat16"),

@@ -14,7 +14,8 @@ import torch
 
 from rlx.batch import Batch
 from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, lr_lambda
+from rlx.plugins.modeling.model import lr_lambda
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 
@@ -372,7 +373,7 @@ def test_ppo_epochs_minibatches_microbatches_are_exact(model_path, role):
 
 
 def test_entropy_is_differentiated_only_when_the_loss_uses_it(model_path):
-    from rlx.plugins.backends.torch_local import response_log_probs
+    from rlx.plugins.modeling.head import response_log_probs
 
     worker = make_worker(model_path)
     batch = make_batch()

@@ -1,5 +1,5 @@
 """``actor.use_torch_compile`` / ``critic.use_torch_compile``: each decoder layer compiled in place
-(``rlx.plugins.backends.torch_local.compile_decoder_layers``), with dynamic shapes.
+(``rlx.plugins.modeling.compile.compile_decoder_layers``), with dynamic shapes.
 
 On the CPU (inductor's C++ backend), float32: the compiled layers give the eager model's log-probs,
 entropies and values to 2e-5 and its gradients to 1e-4 of each tensor's largest entry (measured: 3.8e-6 and
@@ -20,13 +20,15 @@ from test_packing import ATOL, assert_grads_close
 
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
-from rlx.plugins.backends import torch_local
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker, compile_decoder_layers
+from rlx.plugins.modeling import compile as compiling
+from rlx.plugins.modeling import packing
+from rlx.plugins.modeling.compile import compile_decoder_layers
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions, RoleSettings
 
 # Inductor compiles CPU kernels with the system's C++ compiler (CI installs g++ when it is missing).
-needs_cxx_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in torch_local.CXX_COMPILERS),
+needs_cxx_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in compiling.CXX_COMPILERS),
                                         reason="torch.compile on the CPU needs a C++ compiler")
 pytestmark = needs_cxx_compiler
 
@@ -135,7 +137,7 @@ def test_a_model_without_decoder_layers_to_compile_is_a_user_error():
 
 
 def test_compiling_on_a_cpu_without_a_cxx_compiler_is_a_user_error(model_path, monkeypatch):
-    monkeypatch.setattr(torch_local.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="on the CPU needs a C\\+\\+ compiler") as exc:
         worker(model_path, use_torch_compile=True)
     assert "Install g++" in exc.value.hint and "actor.use_torch_compile=false" in exc.value.hint
@@ -145,19 +147,19 @@ def test_the_packed_layout_reaches_every_layer_as_an_argument(model_path, monkey
     """The layout is found once, before the forward pass, and handed down (no lookup inside a layer, which in
     a compiled layer would break its graph)."""
     lookups, handed = [], []
-    monkeypatch.setattr(torch_local, "_layout_outside_compile", lambda: lambda *a: lookups.append(a))
-    original = torch_local.packed_sdpa
+    monkeypatch.setattr(packing, "_layout_outside_compile", lambda: lambda *a: lookups.append(a))
+    original = packing.packed_sdpa
 
     def spy(*args, **kwargs):
-        handed.append(kwargs.get(torch_local.LAYOUT_KWARG))
+        handed.append(kwargs.get(packing.LAYOUT_KWARG))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(torch_local, "packed_sdpa", spy)  # what the worker registers with transformers
+    monkeypatch.setattr(packing, "packed_sdpa", spy)  # what the worker registers with transformers
     ours = worker(model_path)
     ours.compute_log_probs(actor_batch())
     assert not lookups
     assert handed and len(handed) % ours.hf_model.config.num_hidden_layers == 0  # every layer of every pass
-    assert all(isinstance(layout, torch_local.PackedLayout) for layout in handed)
+    assert all(isinstance(layout, packing.PackedLayout) for layout in handed)
 
 
 def test_fsdp1_and_megatron_refuse_compilation_before_the_run():

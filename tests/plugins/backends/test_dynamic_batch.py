@@ -27,7 +27,8 @@ from rlx.batch import Batch
 from rlx.config import validate
 from rlx.dispatch import balance_for_ranks, shard
 from rlx.errors import ConfigError, UserError
-from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions, TorchWorker
+from rlx.plugins.backends.torch_local import TorchBackend
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 from rlx.step import _token_bins, role_settings, row_tokens
@@ -201,7 +202,7 @@ def test_a_specs_own_settings_win_field_by_field():
     stays; a spec without LoRA takes the config's adapters."""
     import dataclasses
 
-    from rlx.plugins.backends.torch_local import with_role_settings
+    from rlx.plugins.modeling.model import with_role_settings
     from rlx.records import LoraSpec, RoleSettings
 
     config = ForwardOptions(use_dynamic_bsz=True, ppo_max_token_len=64, ppo_max_token_len_option="actor.x",

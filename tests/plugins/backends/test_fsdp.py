@@ -28,7 +28,7 @@ from rlx.batch import Batch
 from rlx.dispatch import shard
 from rlx.errors import UserError
 from rlx.plugins.algorithms.base import CriticLoss
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 
 pytestmark = pytest.mark.multiproc
@@ -319,7 +319,7 @@ def test_planted_dcp_metadata_pickle_is_refused(runs: dict[str, Any], tmp_path: 
 
     import torch.distributed as dist
 
-    from rlx.plugins.backends.fsdp import read_dcp_metadata
+    from rlx.plugins.modeling.dist import read_dcp_metadata
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(runs["out"] / "ckpt2", ckpt)
@@ -345,7 +345,7 @@ def test_planted_non_tensor_entry_is_refused(tmp_path: Path) -> None:
     """Non-tensor entries (optimizer hyper-parameters) load with weights_only: a payload there is refused."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from rlx.plugins.backends.fsdp import _safe_planner
+    from rlx.plugins.modeling.dist import _safe_planner
 
     flag = tmp_path / "FLAG"
     item = SimpleNamespace(dest_index=MetadataIndex("optim.param_groups.lr"))

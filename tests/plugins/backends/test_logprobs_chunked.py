@@ -19,13 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlx.plugins.algorithms.functional import entropy_from_logits, log_probs_from_logits
-from rlx.plugins.backends import torch_local
-from rlx.plugins.backends.torch_local import (
-    TorchBackendOptions,
-    TorchWorker,
-    chunked_head,
-    fused_head_supported,
-)
+from rlx.plugins.modeling import head
+from rlx.plugins.modeling.head import chunked_head, fused_head_supported
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 
@@ -124,7 +120,7 @@ def test_head_entropy_is_exact_for_large_logits():
     nothing to cancellation: a row of equal logits has entropy log V whatever their size."""
     for level in (0.0, 300.0, -300.0):
         z = torch.full((2, 50), level)
-        lse, chosen, entropy = torch_local._logit_stats(z, torch.tensor([0, 7]), 1.0)
+        lse, chosen, entropy = head._logit_stats(z, torch.tensor([0, 7]), 1.0)
         torch.testing.assert_close(lse, torch.full((2,), level + math.log(50)), atol=1e-6, rtol=0)
         torch.testing.assert_close(entropy, torch.full((2,), math.log(50)), atol=1e-6, rtol=0)
         torch.testing.assert_close(chosen, torch.full((2,), -math.log(50)), atol=1e-6, rtol=0)

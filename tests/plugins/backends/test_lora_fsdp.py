@@ -28,7 +28,7 @@ from test_fsdp import SCHEDULE, actor_loss, free_port, fsdp_worker, minibatches,
 from rlx.dispatch import shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions, LoraSpec
 
@@ -200,7 +200,7 @@ def test_reference_is_the_base_with_the_adapter_off(ranks: dict[str, Any], refer
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_exactly(ranks: dict[str, Any], reference: dict[str, Any]) -> None:
-    from rlx.plugins.backends.fsdp import safe_dcp_reader
+    from rlx.plugins.modeling.dist import safe_dcp_reader
     from rlx.plugins.modeling.lora import is_adapter
 
     for r, res in enumerate(ranks["ranks"]):

@@ -350,7 +350,7 @@ def test_forward_gives_the_torch_backends_log_probs_entropy_and_values(
     """megatron-core's GPT model on the converted weights, rows right-aligned, log-probs and entropies from
     the vocabulary-parallel head at temperature 0.7: the ``torch`` backend's numbers (float32, 1e-5); the
     critic's values with the torch critic's head copied in, too."""
-    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
     from rlx.protocols import RoleSpec
 
     emulate_cuda_placement(monkeypatch.setattr)
@@ -705,7 +705,7 @@ def test_same_numbers_as_the_torch_backend_on_one_gpu(tiny_model_path: str, tmp_
 
     from rlx.plugins.algorithms.base import CriticLoss
     from rlx.plugins.backends.megatron import MegatronWorker
-    from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+    from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

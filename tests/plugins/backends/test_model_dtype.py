@@ -12,7 +12,7 @@ from test_backend_torch import critic_batch, grpo_loss, make_batch
 
 from rlx.config import validate
 from rlx.errors import ConfigError
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 from rlx.step import role_settings

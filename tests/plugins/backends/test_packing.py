@@ -24,13 +24,9 @@ from test_fsdp import free_port
 from rlx.batch import Batch
 from rlx.dispatch import shard
 from rlx.plugins.algorithms.base import CriticLoss
-from rlx.plugins.backends.torch_local import (
-    TorchBackendOptions,
-    TorchWorker,
-    model_inputs,
-    response_log_probs,
-    response_values,
-)
+from rlx.plugins.modeling.head import response_log_probs, response_values
+from rlx.plugins.modeling.packing import model_inputs
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 
@@ -230,7 +226,7 @@ def test_packed_rows_on_sdpa_build_no_tokens_by_tokens_mask(model_path):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from rlx.plugins.backends.torch_local import PACKED_SDPA
+    from rlx.plugins.modeling.packing import PACKED_SDPA
 
     batch = make_batch()
     total = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
@@ -296,9 +292,9 @@ def test_varlen_flash_attention_equals_attention_per_sequence_on_a_gpu():
     (the CPU's) run on float32 copies, to bf16 accuracy: 2e-2 of each tensor's largest entry."""
     from types import SimpleNamespace
 
-    from rlx.plugins.backends import torch_local
+    from rlx.plugins.modeling import packing
 
-    if torch_local._varlen_attn() is None:
+    if packing._varlen_attn() is None:
         pytest.skip("torch < 2.10 has no varlen_attn")
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [37, 5, 128, 64, 1, 90]
@@ -307,13 +303,13 @@ def test_varlen_flash_attention_equals_attention_per_sequence_on_a_gpu():
     q, k, v = (torch.randn(1, h, total, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
     module = SimpleNamespace()  # packed_sdpa reads only the module's class name (for its error message)
-    assert torch_local.varlen_kernel_usable(q)
-    out, _ = torch_local.packed_sdpa(module, q, k, v, None, scaling=d**-0.5, position_ids=positions)
+    assert packing.varlen_kernel_usable(q)
+    out, _ = packing.packed_sdpa(module, q, k, v, None, scaling=d**-0.5, position_ids=positions)
     upstream = torch.randn(out.shape, device="cuda", generator=g)
     (out.float() * upstream).sum().backward()
     ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    torch_local._LAYOUT[:] = [None, None]
-    ref, _ = torch_local.packed_sdpa(module, *ref_inputs, None, scaling=d**-0.5, position_ids=positions)
+    packing._LAYOUT[:] = [None, None]
+    ref, _ = packing.packed_sdpa(module, *ref_inputs, None, scaling=d**-0.5, position_ids=positions)
     (ref * upstream).sum().backward()
     assert out.shape == ref.shape == (1, total, heads, d)
     for got, want, what in [(out.float(), ref, "output"), *((x.grad.float(), r.grad, f"grad {i}")

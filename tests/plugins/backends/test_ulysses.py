@@ -33,7 +33,7 @@ from rlx.batch import Batch
 from rlx.dispatch import shard
 from rlx.errors import UserError
 from rlx.plugins.algorithms.base import CriticLoss
-from rlx.plugins.backends.torch_local import TorchBackendOptions, TorchWorker
+from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions
 

@@ -65,7 +65,8 @@ SAME_UPDATE = textwrap.dedent('''
     sys.path[:0] = {tests!r}
     from test_backend_torch import make_batch, grpo_loss
     from rlx.plugins.tasks import builtin
-    from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
+    from rlx.plugins.backends.torch_local import TorchBackend
+    from rlx.plugins.modeling.worker import TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.context import BuildContext
     from rlx.protocols import RoleSpec, RunInfo, TrainWorker

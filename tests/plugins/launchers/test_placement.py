@@ -321,7 +321,8 @@ BALANCED_UPDATE = textwrap.dedent('''
     from test_backend_torch import make_batch, grpo_loss
     from rlx.plugins.tasks import builtin
     from rlx.context import BuildContext
-    from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
+    from rlx.plugins.backends.torch_local import TorchBackend
+    from rlx.plugins.modeling.worker import TorchBackendOptions
     from rlx.plugins.launchers.local import LocalOptions, build
     from rlx.protocols import RoleSpec, RunInfo, TrainWorker
     from rlx.records import ForwardOptions

@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlx.plugins.backends.torch_local import TorchBackend, TorchBackendOptions
+from rlx.plugins.backends.torch_local import TorchBackend
 from rlx.plugins.launchers import weight_sync
+from rlx.plugins.modeling.worker import TorchBackendOptions
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.protocols import RoleSpec
 

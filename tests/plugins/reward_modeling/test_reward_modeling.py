@@ -147,7 +147,7 @@ def test_bad_margin_is_a_problem():
 
 # -- the worker: exact gradient accumulation --------------------------------------------------------
 def _worker(micro: int) -> RewardModelWorker:
-    from rlx.plugins.backends.torch_local import TorchBackendOptions
+    from rlx.plugins.modeling.worker import TorchBackendOptions
     from rlx.protocols import RoleSpec
 
     spec = RoleSpec(role="reward_model", model_path=builtin.resolve("builtin:tiny-qwen2"), trainable=True,

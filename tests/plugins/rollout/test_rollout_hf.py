@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.plugins.backends.torch_local import response_log_probs
+from rlx.plugins.modeling.head import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.protocols import SamplingParams
 from rlx.run.data import PromptExample, collate

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlx.batch import Batch
-from rlx.plugins.backends.torch_local import response_log_probs
+from rlx.plugins.modeling.head import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.plugins.rollout.hf_sampling import Sampler
 from rlx.plugins.rollout.hf_static import decode_attention
