@@ -69,8 +69,7 @@ def make_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: 
     mask = response_mask.float()
     return Batch({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
                   "response_mask": response_mask, "advantages": torch.randn(rows, 1, generator=g) * mask,
-                  "old_log_probs": -torch.rand(rows, response_len, generator=g) * mask},
-                 meta={"temperature": 1.0})
+                  "old_log_probs": -torch.rand(rows, response_len, generator=g) * mask})
 
 
 def matmul_rate(device: str, dtype: Any, n: int) -> float:
@@ -256,14 +255,14 @@ def equivalence() -> None:
     from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
     from rlx.plugins.tasks import builtin
     from rlx.protocols import RoleSpec
-    from rlx.records import ForwardOptions
+    from rlx.records import ForwardOptions, LossContext
 
     torch.set_num_threads(1)
     path = builtin.resolve("builtin:tiny-qwen2")
     batch = make_batch(16, 12, 20, 64, seed=1)
     batch.tensors["values"] = torch.zeros_like(batch["old_log_probs"])
     batch.tensors["returns"] = torch.rand(16, 1) * batch["response_mask"]
-    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=16.0)
+    ctx = LossContext(float(batch["response_mask"].sum()), 16.0)
     mask = batch["response_mask"].bool()
 
     def worker(role: str = "actor", micro: int = 16, **options: Any) -> Any:
@@ -272,7 +271,7 @@ def equivalence() -> None:
         return TorchWorker(spec, TorchBackendOptions(), "cpu")
 
     def grads(w: Any, loss_fn: Any) -> dict[str, Any]:
-        loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+        loss, _ = loss_fn(w.forward(batch, grad=True), batch, ctx)
         loss.backward()
         return {n: p.grad for n, p in w.model.named_parameters()}
 

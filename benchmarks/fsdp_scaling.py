@@ -110,8 +110,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
                        "prompt_mask": torch.ones(rows, P, dtype=torch.long),
                        "responses": torch.randint(2, vocab, (rows, R), generator=g),
                        "response_mask": torch.ones(rows, R, dtype=torch.long),
-                       "advantages": torch.randn(rows, 1, generator=g).expand(rows, R).contiguous()},
-                      meta={"temperature": 1.0})
+                       "advantages": torch.randn(rows, 1, generator=g).expand(rows, R).contiguous()})
         loss = GRPOLoss(GRPOOptions(use_kl_loss=False))
         times: dict[str, list[float]] = {"log_prob": [], "update": []}
         for step in range(args.warmup + args.steps):

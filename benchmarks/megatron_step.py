@@ -111,8 +111,7 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> 
                   "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
                   "responses": torch.randint(2, vocab, (rows, response), generator=g),
                   "response_mask": torch.ones(rows, response, dtype=torch.long),
-                  "advantages": torch.randn(rows, 1, generator=g).expand(rows, response).contiguous()},
-                 meta={"temperature": 1.0})
+                  "advantages": torch.randn(rows, 1, generator=g).expand(rows, response).contiguous()})
 
 
 def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> None:

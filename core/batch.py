@@ -1,5 +1,6 @@
 """The batch that flows between roles: named tensors sharing a first dimension, plus per-row
-Python values (data source, ground truth, ...) and batch-wide metadata."""
+Python values (data source, ground truth, ...). Nothing else rides along: what a seam needs besides the
+columns is an argument of its own (a temperature, a :class:`rlx.records.LossContext`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ if TYPE_CHECKING:
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     non_tensors: dict[str, list[Any]] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sizes = {k: int(v.shape[0]) for k, v in self.tensors.items()}
@@ -45,7 +45,6 @@ class Batch:
                 raise ValueError(f"cannot merge a batch of {len(other)} rows into one of {len(self)}")
             self.tensors.update(other.tensors)
             self.non_tensors.update(other.non_tensors)
-            self.meta.update(other.meta)
         for k, v in tensors.items():
             if self.tensors or self.non_tensors:
                 assert v.shape[0] == len(self), f"{k} has {v.shape[0]} rows, batch has {len(self)}"
@@ -54,7 +53,7 @@ class Batch:
 
     def select(self, *keys: str) -> Batch:
         return Batch({k: self.tensors[k] for k in keys if k in self.tensors},
-                     {k: self.non_tensors[k] for k in keys if k in self.non_tensors}, dict(self.meta))
+                     {k: self.non_tensors[k] for k in keys if k in self.non_tensors})
 
     def index(self, idx: torch.Tensor | Sequence[int] | slice) -> Batch:
         """Rows picked by a slice, a list of indices or an index tensor."""
@@ -68,7 +67,7 @@ class Batch:
             it = torch.as_tensor(rows, dtype=torch.long)
             tensors = {k: v.index_select(0, it.to(v.device)) for k, v in self.tensors.items()}
         non = {k: [v[i] for i in rows] for k, v in self.non_tensors.items()}
-        return Batch(tensors, non, dict(self.meta))
+        return Batch(tensors, non)
 
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of ``size`` rows (the last may be shorter)."""
@@ -84,10 +83,10 @@ class Batch:
         """Each row ``repeats`` times in a row: row 0, row 0, ..., row 1, row 1, ..."""
         tensors = {k: v.repeat_interleave(repeats, dim=0) for k, v in self.tensors.items()}
         non = {k: [x for x in v for _ in range(repeats)] for k, v in self.non_tensors.items()}
-        return Batch(tensors, non, dict(self.meta))
+        return Batch(tensors, non)
 
     def to(self, device: str | torch.device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta)
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors)
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
@@ -98,7 +97,7 @@ class Batch:
         first = batches[0]
         tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
         non = {k: [x for b in batches for x in b.non_tensors[k]] for k in first.non_tensors}
-        return Batch(tensors, non, dict(first.meta))
+        return Batch(tensors, non)
 
 
 # Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
@@ -125,5 +124,5 @@ def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:
                     extra = width - tensors[key].shape[1]
                     value = pad_token_id if fill == "pad" else fill
                     tensors[key] = F.pad(tensors[key], (extra, 0) if left else (0, extra), value=value)
-        out.append(Batch(tensors, part.non_tensors, part.meta))
+        out.append(Batch(tensors, part.non_tensors))
     return Batch.concat(out)

@@ -69,7 +69,9 @@ def gather(results: list[Any]) -> Any:
         return results[0]
     first = results[0]
     if isinstance(first, Batch):
-        return concat_rollouts(results, int(first.meta.get("pad_token_id", 0)))
+        # Responses of different widths: the narrower ones are padded with 0 under a response_mask of 0 (no
+        # reader looks at a padded position: decoding stops at the mask, attention and losses mask it out).
+        return concat_rollouts(results, 0)
     if isinstance(first, dict):
         return {k: sum(r[k] for r in results) / len(results) for k in first}
     if isinstance(first, list):

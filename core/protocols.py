@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlx.batch import Batch
+    from rlx.records import LossContext, UpdateContext
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,6 +34,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     greedy: bool = False
     seed: int | None = None
+
+    @property
+    def log_prob_temperature(self) -> float:
+        """The temperature of the distribution the responses' log-probs are taken under: the sampling
+        temperature, 1.0 for greedy decoding (what the engines report and the trainer scores at)."""
+        return 1.0 if self.greedy else self.temperature
 
 
 @runtime_checkable
@@ -71,14 +78,15 @@ class RolloutEngine(Protocol):
 
 # ---------------------------------------------------------------------------------------------
 # Training backend
-LossFn = Callable[[Mapping[str, "torch.Tensor"], "Batch"], tuple["torch.Tensor", dict[str, float]]]
-"""``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
+LossFn = Callable[[Mapping[str, "torch.Tensor"], "Batch", "LossContext"], tuple["torch.Tensor", dict[str, float]]]
+"""``loss_fn(outputs, micro_batch, ctx) -> (loss, metrics)``.
 
 ``outputs`` holds ``log_probs`` (b, R), ``entropy`` (b, R) and, for a critic, ``values`` (b, R).
 The loss returned is the micro-batch's share of the mini-batch loss (already divided by the
-mini-batch's token or sequence count, found in ``micro_batch.meta``), so the backend only
-sums gradients over micro-batches. A loss with ``needs_entropy_grad = False`` uses the entropy as a
-metric only, and the backend may then compute it outside the autograd graph.
+mini-batch's global token or sequence count, ``ctx.global_tokens`` / ``ctx.global_seqs`` of the
+:class:`rlx.records.LossContext`), so the backend only sums gradients over micro-batches. A loss with
+``needs_entropy_grad = False`` uses the entropy as a metric only, and the backend may then compute it
+outside the autograd graph.
 """
 
 
@@ -119,10 +127,11 @@ class TrainWorker(Protocol):
         """This worker's data-parallel rank and group size, and whether its results are collected. A worker
         without it is its own data-parallel rank."""
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        """Return a batch with ``log_probs`` (B, R) (and ``entropy`` (B, R) if asked)."""
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
+        """Return a batch with ``log_probs`` (B, R) (and ``entropy`` (B, R) if asked) of the responses under
+        the model's logits divided by ``temperature`` (the one they were sampled at)."""
 
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+    def compute_ref_log_probs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """With LoRA: the reference's ``log_probs`` (B, R), the actor's base with its adapter switched off (no
         reference worker is built)."""
 
@@ -133,9 +142,10 @@ class TrainWorker(Protocol):
         response tokens 0..t-1): the same position whose logits give the log-prob of token t.
         """
 
-    def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
+    def update(self, minibatches: list[Batch], loss_fn: LossFn,
+               context: UpdateContext | None = None) -> list[dict[str, float]]:
         """One optimizer step per mini-batch (this rank's rows of each), accumulating over micro-batches
-        (``rlx.step.run_update``); one metrics dict per step."""
+        (``rlx.step.run_update``), the forward passes at ``context.temperature``; one metrics dict per step."""
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors for the rollout engine, named as in the Hugging Face model."""

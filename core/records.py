@@ -96,3 +96,29 @@ def lora_spec(model: Any) -> LoraSpec | None:
         return None
     return LoraSpec(rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.target_modules,
                     exclude_modules=tuple(model.exclude_modules), dropout=model.lora_dropout)
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """What the workers of an update need to know of the rollouts besides their tensors, from the controller:
+    the ``temperature`` the responses were sampled at (the log-probs are taken at it; 1.0 for greedy), the
+    rollouts' ``max_response_length`` (``rollout.max_tokens``; 0: the mini-batch's own width), and whether the
+    old log-probs come from the update's own first forward pass (``old_from_update``: the step is on-policy)."""
+
+    temperature: float = 1.0
+    max_response_length: int = 0
+    old_from_update: bool = False
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What a loss needs besides the micro-batch (the third argument of a ``LossFn``), built once per mini-batch
+    by the shared step: the whole mini-batch's response-token and sequence counts summed over every
+    data-parallel rank (a micro-batch's loss divides by these, so the micro-batches' gradients add up to the
+    mini-batch's exactly), the rollouts' ``max_response_length`` (0: the micro-batch's own width) and
+    ``old_from_update`` (:class:`UpdateContext`)."""
+
+    global_tokens: float
+    global_seqs: float
+    max_response_length: int = 0
+    old_from_update: bool = False

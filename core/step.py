@@ -6,7 +6,7 @@ the optimizer step, a collective over its data-parallel group); :func:`run_updat
 backends differ only in how they hold the model.
 
 Exactness across micro-batches and data-parallel ranks: a loss divides by the token and sequence counts
-of the whole *global* mini-batch (``meta["minibatch_tokens"]`` / ``meta["minibatch_seqs"]``, summed over
+of the whole *global* mini-batch (:class:`rlx.records.LossContext`, its third argument, summed over
 the data-parallel group here), so summing the micro-batches' gradients on every rank and over ranks gives
 exactly the mini-batch gradient. Every rank runs the same number of forward passes (collectives of a
 sharded model must match), which the loops arrange by splitting each rank's rows into the group's
@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from rlx.records import ForwardOptions, RoleSettings, lora_spec
+from rlx.records import ForwardOptions, LossContext, RoleSettings, UpdateContext, lora_spec
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,8 @@ class StepEngine(Protocol):
 
     dp_size: int
 
-    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True,
+                temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """Outputs on ``micro`` (already on the device): ``log_probs``/``entropy`` (b, R), or ``values``."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -163,28 +164,37 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
         model_dtype=a.model_dtype), lora)
 
 
-def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn,
-               micro_size: int, budget: tuple[int, str] | None = None) -> list[dict[str, float]]:
+def loss_context(engine: StepEngine, mini: Batch, context: UpdateContext) -> LossContext:
+    """The mini-batch's :class:`LossContext`: its response tokens and sequences summed over the data-parallel
+    group (every rank calls this, as the all-reduce needs)."""
+    mask = mini["response_mask"]
+    tokens, seqs = engine.all_reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
+    return LossContext(tokens, seqs, context.max_response_length, context.old_from_update)
+
+
+def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn, micro_size: int,
+               budget: tuple[int, str] | None = None, context: UpdateContext | None = None) -> list[dict[str, float]]:
     """One optimizer step per mini-batch (this rank's rows of it), accumulating over micro-batches of
     ``micro_size`` rows, or of at most ``budget[0]`` tokens when a budget is given (dynamic batch size).
+    The forward passes run at ``context.temperature``; the loss gets a :class:`LossContext` with the
+    mini-batch's global counts.
 
     Returns one metrics dict per step: the loss's metrics averaged over the mini-batch's tokens (on every
     rank, so the ranks return the same values), and
     ``grad_norm``, ``lr`` and ``skipped_step`` (1 when a non-finite gradient norm skipped the update).
     """
     entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", True))
+    context = context or UpdateContext()
     out = []
     for mini in minibatches:
-        mask = mini["response_mask"]
-        tokens, seqs = engine.all_reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
-        mini.meta["minibatch_tokens"], mini.meta["minibatch_seqs"] = tokens, seqs
+        ctx = loss_context(engine, mini, context)
         engine.zero_grad()
         sums: dict[str, float] = {}
         weight = 0.0
         for _, mb in micro_batches(engine, mini, micro_size, budget):
             mb = engine.to_device(mb)
-            outputs = engine.forward(mb, grad=True, entropy_grad=entropy_grad)
-            loss, metrics = loss_fn(outputs, mb)
+            outputs = engine.forward(mb, grad=True, entropy_grad=entropy_grad, temperature=context.temperature)
+            loss, metrics = loss_fn(outputs, mb, ctx)
             engine.backward(loss)
             w = float(mb["response_mask"].sum())
             weight += w

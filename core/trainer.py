@@ -30,6 +30,7 @@ from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError, describe_exception
 from rlx.protocols import RewardScorer, RoleSpec, RolloutEngine, RunInfo, SamplingParams, TrainWorker, needs_of
+from rlx.records import UpdateContext
 from rlx.registry import PluginManager, call_factory, describe_component
 from rlx.run import checkpoint
 from rlx.run.data import PromptLoader, collate, load_prompts, resolve_path
@@ -53,7 +54,7 @@ class Timer:
 
 
 def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size: int, shuffle: bool, seed: int,
-               prefix: str, metrics: dict[str, list[float]]) -> None:
+               prefix: str, metrics: dict[str, list[float]], context: UpdateContext | None = None) -> None:
     """``epochs`` passes over ``batch`` in mini-batches of ``mini_size`` rows, one optimizer step each.
 
     The driver only cuts the mini-batches (shuffled per epoch with ``seed``); they travel to the role's
@@ -66,7 +67,7 @@ def ppo_update(group: Any, batch: Batch, loss_fn: Any, *, epochs: int, mini_size
     for _ in range(epochs):
         data = batch.index(torch.randperm(len(batch), generator=gen)) if shuffle else batch
         minibatches.extend(data.split(mini_size))
-    for step in group.call(TrainWorker.update, minibatches, loss_fn):
+    for step in group.call(TrainWorker.update, minibatches, loss_fn, context):
         for k, v in step.items():
             metrics.setdefault(k if "/" in k else f"{prefix}/{k}", []).append(v)
 
@@ -272,19 +273,24 @@ class Trainer:
             return {**rollout_metrics, **timer.times, "timing/step": time.perf_counter() - step_start}
         self._phase("train", timer)
         mini_size = cfg.actor.ppo_mini_batch_size * self.sampling.n
-        if self._old_log_probs_from_update(len(batch), mini_size):
-            # The update's forward runs the policy that would score them: its log-probs, detached, are the old
-            # ones (ActorLoss), so this pass is skipped.
-            batch.meta["old_log_probs_from_update"] = True
-        else:
+        # The log-probs are taken at the temperature the responses were sampled at.
+        temperature = self.sampling.log_prob_temperature
+        # The update's forward runs the policy that would score them: its log-probs, detached, are the old
+        # ones (ActorLoss), so the old-log-prob pass is skipped.
+        from_update = self._old_log_probs_from_update(len(batch), mini_size)
+        context = UpdateContext(temperature, self.sampling.max_tokens, from_update)
+        if not from_update:
             with timer("old_log_prob"):
-                batch.tensors["old_log_probs"] = self.actor.call(TrainWorker.compute_log_probs, batch)["log_probs"]
+                batch.tensors["old_log_probs"] = self.actor.call(TrainWorker.compute_log_probs, batch,
+                                                                 temperature=temperature)["log_probs"]
         if self.ref is not None:
             with timer("ref"):
-                batch.tensors["ref_log_probs"] = self.ref.call(TrainWorker.compute_log_probs, batch)["log_probs"]
+                batch.tensors["ref_log_probs"] = self.ref.call(TrainWorker.compute_log_probs, batch,
+                                                               temperature=temperature)["log_probs"]
         elif self.ref_from_actor:
             with timer("ref"):
-                batch.tensors["ref_log_probs"] = self.actor.call(TrainWorker.compute_ref_log_probs, batch)["log_probs"]
+                batch.tensors["ref_log_probs"] = self.actor.call(TrainWorker.compute_ref_log_probs, batch,
+                                                                 temperature=temperature)["log_probs"]
         if self.critic is not None:
             with timer("values"):
                 batch.tensors["values"] = self.critic.call(TrainWorker.compute_values, batch)["values"]
@@ -295,12 +301,12 @@ class Trainer:
             with timer("update_critic"):
                 ppo_update(self.critic, batch, self.algorithm.value_loss_fn(), epochs=cfg.critic.ppo_epochs or
                            cfg.actor.ppo_epochs, mini_size=mini_size, shuffle=cfg.actor.shuffle,
-                           seed=cfg.trainer.seed + self.step, prefix="critic", metrics=update)
+                           seed=cfg.trainer.seed + self.step, prefix="critic", metrics=update, context=context)
         if self.critic is None or self.step > cfg.critic.warmup_steps:  # critic warm-up: the actor waits
             with timer("update_actor"):
                 ppo_update(self.actor, batch, self.algorithm.policy_loss_fn(), epochs=cfg.actor.ppo_epochs,
                            mini_size=mini_size, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed + self.step,
-                           prefix="actor", metrics=update)
+                           prefix="actor", metrics=update, context=context)
             self._phase("generate", timer)
             with timer("weight_sync"):
                 sync_metrics = dict(self.launcher.transfer_weights(self.actor, self.rollout))
@@ -363,7 +369,6 @@ class Trainer:
         n = self.sampling.n
         with timer("gen"):
             batch: Batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling)
-        batch.meta["max_response_length"] = self.sampling.max_tokens
         batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + first_group
         with timer("reward"):
             batch.update(self.reward.call(RewardScorer.score, batch))

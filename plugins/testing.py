@@ -203,10 +203,10 @@ def check_first_token_distribution(engine: Any, prompts: Batch, logits: torch.Te
         f"prompt {int(worst) // V} token {int(worst) % V}: frequency {float(empirical.flatten()[worst]):.4f}, "
         f"expected {float(expected.flatten()[worst]):.4f} over {n} samples ({params})")
     if "rollout_log_probs" in out:
-        temperature = out.meta.get("temperature", 1.0 if params.greedy else params.temperature)
+        temperature = params.log_prob_temperature
         # The log-probs are those of the distribution each token was sampled from; for greedy decoding
-        # that is the policy at the temperature the engine reports (the trainer compares them with the
-        # actor's log-probs at that temperature).
+        # that is the policy at temperature 1 (SamplingParams.log_prob_temperature: the trainer compares them
+        # with the actor's log-probs at that temperature).
         unfiltered = params.greedy or not log_probs_after_filters
         reference = torch.softmax(logits.double() / temperature, -1).float() if unfiltered else expected
         want = reference.log().gather(1, tokens).flatten()
@@ -390,7 +390,6 @@ class RolloutEngineContract:
         assert out["rollout_log_probs"].dtype == torch.float32 and out["rollout_log_probs"].shape == (B, R)
         for key, values in prompts.non_tensors.items():
             assert out[key] == [v for v in values for _ in range(n)], f"column {key} not repeated per sample"
-        assert out.meta.get("temperature", 1.0) == 1.0
         mask = out["response_mask"].bool()
         lp = out["rollout_log_probs"]
         assert bool(torch.isfinite(lp).all()) and bool((lp[mask] <= 0).all()) and bool((lp[~mask] == 0).all())
@@ -459,7 +458,6 @@ class RolloutEngineContract:
     def test_log_probs_match_the_training_forward_pass(self, engine: Any, prompts: Batch,
                                                        contract_policies: dict[str, Any], temperature: float) -> None:
         out = _generate(engine, prompts, SamplingParams(n=4, max_tokens=12, temperature=temperature, seed=11))
-        assert out.meta.get("temperature", temperature) == temperature
         self._assert_log_probs_of(contract_policies["a"], out, temperature)
 
     def test_update_weights_take_effect_and_survive_sleep(self, engine: Any, prompts: Batch,

@@ -17,7 +17,7 @@ class RewardWorker:
     either stopping the run or scoring ``failure_score``. Besides ``scores`` and the plugin's
     ``reward_extra/<key>`` columns, every batch gets ``reward_extra/failed`` and
     ``reward_extra/failed/<kind>`` (0/1 per response), logged as the ``reward/failed*`` fractions,
-    ``meta["reward_failures"]`` listing each failed response (index, kind, message), and
+    ``reward_error`` (per response: None, or ``"kind: message"`` for a failed one), and
     ``reward_answer``: per response, the final answer the reward scored (None when the reward does not
     report answers, or failed on the response), which majority voting in evaluation uses.
     """
@@ -45,6 +45,8 @@ class RewardWorker:
         tensors = {"scores": torch.tensor(out.scores, dtype=torch.float32)}
         for key, values in {**out.extra, **out.failure_columns()}.items():
             tensors[f"reward_extra/{key}"] = torch.tensor(values, dtype=torch.float32)
-        failures = [{"index": f.index, "kind": f.kind, "message": f.message} for f in out.failures]
-        return Batch(tensors, {"response_text": responses, "reward_answer": list(out.answers)},
-                     {"reward_failures": failures})
+        errors: list[str | None] = [None] * len(responses)
+        for f in out.failures:
+            errors[f.index] = f"{f.kind}: {f.message}"
+        return Batch(tensors, {"response_text": responses, "reward_answer": list(out.answers),
+                               "reward_error": errors})

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlx.batch import Batch
+    from rlx.records import LossContext
     from rlx.registry import PluginManager
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs", "kl", "mse", "k1+", "k3+", "low_var_kl+"]
@@ -291,7 +292,8 @@ class ActorLoss:
         # Without an entropy bonus the entropy is only logged: the backend need not differentiate it.
         self.needs_entropy_grad = bool(opts.entropy_coeff)
 
-    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch,
+                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
         from rlx.plugins.algorithms import functional as F
 
         o = self.opts
@@ -299,12 +301,12 @@ class ActorLoss:
         mask = mb["response_mask"].to(log_probs.dtype)
         # Normalise by the whole mini-batch's counts so that summing micro-batch gradients gives
         # exactly the mini-batch gradient.
-        norm = minibatch_norm(mb, mask)
+        norm = minibatch_norm(ctx, mask)
         clip = {"clip_low": o.clip_ratio_low or o.clip_ratio, "clip_high": o.clip_ratio_high or o.clip_ratio,
                 "clip_ratio_c": o.clip_ratio_c}
         # On-policy steps skip the old-log-prob pass (actor.recompute_old_log_prob): this forward runs the policy
         # that pass would have, so its log-probs, detached, are the old ones (ratio 1, the same gradient).
-        from_update = bool(mb.meta.get("old_log_probs_from_update"))
+        from_update = ctx.old_from_update
         old_log_probs = log_probs.detach() if from_update else mb["old_log_probs"]
         tis: dict[str, float] = {}
         weights = None
@@ -321,7 +323,7 @@ class ActorLoss:
             # over tokens, so the mean is exact and the maximum cannot be logged.
             diff_mean, _ = F.logprob_diff(mb["rollout_log_probs"], old_log_probs, mask)
             out["rollout/logprob_diff_mean"] = diff_mean
-        out["actor/pg_loss"] = float(pg_loss.detach()) * share_to_mean(mb, mask)
+        out["actor/pg_loss"] = float(pg_loss.detach()) * share_to_mean(ctx, mask)
         out["actor/entropy"] = float(F.masked_mean(entropy.detach(), mask))
         loss = pg_loss
         if o.entropy_coeff:
@@ -339,36 +341,39 @@ class CriticLoss:
     def __init__(self, cliprange_value: float | None) -> None:
         self.cliprange_value = cliprange_value
 
-    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: Batch,
+                 ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
         from rlx.plugins.algorithms import functional as F
 
         values = outputs["values"]  # (b, R)
         mask = mb["response_mask"].to(values.dtype)
-        norm = minibatch_norm(mb, mask)
+        norm = minibatch_norm(ctx, mask)
         loss, metrics = F.value_loss(values, mb["values"], mb["returns"], mask, clip_range=self.cliprange_value,
                                      agg_mode="token-mean", **norm)
-        return loss, {"critic/vf_loss": metrics["vf_loss"] * share_to_mean(mb, mask),
+        return loss, {"critic/vf_loss": metrics["vf_loss"] * share_to_mean(ctx, mask),
                       "critic/vf_clipfrac": metrics["vf_clipfrac"],
                       "critic/vpred_mean": float(F.masked_mean(values.detach(), mask))}
 
 
-def minibatch_norm(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
-    """The mini-batch's token and sequence counts, put in ``mb.meta`` by the backend, for ``agg_loss``.
+def minibatch_norm(ctx: LossContext, mask: torch.Tensor) -> dict[str, Any]:
+    """The mini-batch's global token and sequence counts (the shared step's :class:`LossContext`), for
+    ``agg_loss``.
 
     ``max_len`` (the constant of ``seq-mean-token-sum-norm``) is the configured response budget the
-    trainer records, not the padded width, which changes from step to step.
+    trainer passes on (``rollout.max_tokens``), not the padded width, which changes from step to step; the
+    micro-batch's width when none was given.
     """
-    return {"num_tokens": mb.meta["minibatch_tokens"], "num_seqs": mb.meta["minibatch_seqs"],
-            "max_len": int(mb.meta.get("max_response_length", mask.shape[1]))}
+    return {"num_tokens": ctx.global_tokens, "num_seqs": ctx.global_seqs,
+            "max_len": int(ctx.max_response_length or mask.shape[1])}
 
 
-def share_to_mean(mb: Batch, mask: torch.Tensor) -> float:
+def share_to_mean(ctx: LossContext, mask: torch.Tensor) -> float:
     """Factor turning this micro-batch's share of the loss into a value the backend can average.
 
     The backend averages metrics weighted by each micro-batch's token count, and the shares add
     up to the mini-batch loss in every aggregation mode, so scaling by tokens is exact for all.
     """
-    return mb.meta["minibatch_tokens"] / max(float(mask.sum()), 1.0)
+    return ctx.global_tokens / max(float(mask.sum()), 1.0)
 
 
 class PolicyGradient:
@@ -401,6 +406,7 @@ class PolicyGradient:
         self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
         self.max_num_gen_batches = opts.max_num_gen_batches
+        self.stats: dict[str, float] = {}  # the last compute_advantages' statistics
         # What the trainer reads (the attributes above stay for code written against rlx 0.1).
         self.needs = AlgorithmNeeds(ref=self.needs_ref, critic=self.needs_critic,
                                     greedy_baseline=self.needs_greedy_baseline, filter_groups=self.filter_groups,
@@ -504,7 +510,7 @@ class PolicyGradient:
                 rejection=rc.rejection())
             batch.update(rollout_is_weights=weights.float())
             stats.update({f"rollout_corr/{k}": v for k, v in rc_metrics.items()})
-        batch.meta["algorithm_stats"] = stats
+        self.stats = stats  # this step's, for metrics()
         return batch
 
     # -- losses -----------------------------------------------------------------------------
@@ -520,7 +526,7 @@ class PolicyGradient:
 
         mask = batch["response_mask"].float()
         valid = mask.bool()
-        out: dict[str, float] = dict(batch.meta.get("algorithm_stats", {}))
+        out: dict[str, float] = dict(self.stats)
         keys = ["advantages", "returns"] + (["values"] if "values" in batch else [])
         for key in keys:
             x = batch[key]

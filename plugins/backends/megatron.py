@@ -16,7 +16,7 @@ accumulate and are reduced over DP in fp32 (megatron-core's DDP, optionally the 
 The step. With one pipeline stage the worker supplies ``rlx.step``'s primitives (forward, backward,
 zero_grad, optimizer_step, all_reduce over the DP group, to_device) and ``run_update``/``run_forward`` run
 the micro-batch loops as for every backend. With several stages the same mini-batch cut
-(``rlx.step.micro_batches``, the global token and sequence counts in the metadata) goes through
+(``rlx.step.micro_batches``, the global token and sequence counts in a ``LossContext``) goes through
 megatron-core's pipeline schedule (``forward_backward_func``): the micro-batches are its micro-batches, the
 algorithm's loss is its loss function on the last stage, and the optimizer step is the same
 ``optimizer_step``. Losses divide by global counts, so gradients are summed, never averaged: the
@@ -47,7 +47,7 @@ from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.protocols import DispatchInfo, LossFn, RoleSpec
-from rlx.records import RoleSettings
+from rlx.records import LossContext, RoleSettings, UpdateContext
 from rlx.registry import Requirement
 
 if TYPE_CHECKING:
@@ -407,8 +407,8 @@ def head_replaced(head: Any, where: torch.Tensor, targets: torch.Tensor, tempera
             handle.remove()
 
 
-def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with_entropy: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with_entropy: bool = True,
+              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One model chunk's forward pass on ``micro``: (its output: logits (b, L, V/tp), values (b, L, 1) or,
     before the last pipeline stage, hidden states; the positions (b, R) that score the response tokens).
     ``head_chunk`` > 0 on a last stage with a language-model head: the output is the response tokens' log-probs
@@ -420,8 +420,7 @@ def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with
     inner = getattr(model, "module", model)  # megatron's DDP wraps a trainable chunk
     if head_chunk and inner.post_process and is_lm_head(inner.output_layer):
         responses = micro["responses"].to(ids.device)
-        with head_replaced(inner.output_layer, where, responses, float(micro.meta.get("temperature", 1.0)),
-                           head_chunk, with_entropy):
+        with head_replaced(inner.output_layer, where, responses, float(temperature), head_chunk, with_entropy):
             return model(ids, positions, None), where
     return model(ids, positions, None), where
 
@@ -433,9 +432,9 @@ def is_lm_head(layer: Any) -> bool:
 
 
 def model_outputs(output: torch.Tensor, where: torch.Tensor, micro: Batch, *, value_head: bool,
-                  with_entropy: bool, head_done: bool = False) -> dict[str, torch.Tensor]:
+                  with_entropy: bool, head_done: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """A role's per-token outputs (b, R) from the last stage's output, 0 at padding: ``values``, or
-    ``log_probs`` (and ``entropy``) at ``micro.meta["temperature"]`` from this TP rank's vocabulary shard
+    ``log_probs`` (and ``entropy``) at ``temperature`` from this TP rank's vocabulary shard
     (``head_done``: the output already holds them, from :func:`run_model`'s chunked head)."""
     from megatron.core import parallel_state as mpu
 
@@ -449,7 +448,7 @@ def model_outputs(output: torch.Tensor, where: torch.Tensor, micro: Batch, *, va
             out["entropy"] = output[..., 1] * mask
         return out
     logits = output.gather(1, where[..., None].expand(-1, -1, output.shape[-1]))  # (b, R, V/tp)
-    logits = logits.float() / float(micro.meta.get("temperature", 1.0))
+    logits = logits.float() / float(temperature)
     vocab_start = mpu.get_tensor_model_parallel_rank() * output.shape[-1]
     log_probs, entropy = vocab_parallel_log_probs(logits, micro["responses"].to(output.device),
                                                   mpu.get_tensor_model_parallel_group(), vocab_start, with_entropy)
@@ -562,23 +561,25 @@ class MegatronWorker:
                         group=mpu.get_data_parallel_group())
         return [float(v) for v in t.tolist()]
 
-    def _run_chunk(self, model: Any, micro: Batch, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_chunk(self, model: Any, micro: Batch, with_entropy: bool = True,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         return run_model(model, micro, self.tp_size if self.options.sequence_parallel else 1, self.head_chunk,
-                         with_entropy)
+                         with_entropy, temperature)
 
-    def _outputs(self, output: torch.Tensor, where: torch.Tensor, micro: Batch, with_entropy: bool
-                 ) -> dict[str, torch.Tensor]:
+    def _outputs(self, output: torch.Tensor, where: torch.Tensor, micro: Batch, with_entropy: bool,
+                 temperature: float = 1.0) -> dict[str, torch.Tensor]:
         return model_outputs(output, where, micro, value_head=self.spec.value_head, with_entropy=with_entropy,
-                             head_done=self.head_chunk > 0)
+                             head_done=self.head_chunk > 0, temperature=temperature)
 
-    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True,
+                temperature: float = 1.0) -> dict[str, torch.Tensor]:
         import contextlib
 
         import torch
 
         with contextlib.nullcontext() if grad else torch.no_grad():
-            output, where = self._run_chunk(self.model[0], micro)
-            out = self._outputs(output, where, micro, with_entropy=True)
+            output, where = self._run_chunk(self.model[0], micro, True, temperature)
+            out = self._outputs(output, where, micro, True, temperature)
         if not entropy_grad:
             out["entropy"] = out["entropy"].detach()
         return out
@@ -631,7 +632,7 @@ class MegatronWorker:
             for m, mode in zip(self.model, modes):
                 m.train(mode)
 
-    def _forward_batch(self, batch: Batch, with_entropy: bool) -> Batch:
+    def _forward_batch(self, batch: Batch, with_entropy: bool, temperature: float = 1.0) -> Batch:
         from rlx.batch import Batch
         from rlx.plugins.modeling.model import forward_micro_batch_size
         from rlx.step import MODEL_COLUMNS, micro_batches, run_forward
@@ -639,12 +640,13 @@ class MegatronWorker:
         size = forward_micro_batch_size(self.spec)
         if self.pp_size == 1:
             def one(mb: Batch) -> dict[str, torch.Tensor]:
-                output, where = self._run_chunk(self.model[0], mb, with_entropy)
-                return {k: v.cpu() for k, v in self._outputs(output, where, mb, with_entropy).items()}
+                output, where = self._run_chunk(self.model[0], mb, with_entropy, temperature)
+                return {k: v.cpu() for k, v in self._outputs(output, where, mb, with_entropy, temperature).items()}
 
             return self._eval(lambda: Batch(run_forward(self, batch, size, one, budget=self.forward_budget)))
         parts = micro_batches(self, batch.select(*MODEL_COLUMNS), size, self.forward_budget)
-        results = self._eval(lambda: self._pipeline([mb for _, mb in parts], None, with_entropy))
+        results = self._eval(lambda: self._pipeline([mb for _, mb in parts], None, with_entropy,
+                                                    temperature=temperature))
         if not self.last_stage or not results:
             return Batch({})
         import torch
@@ -657,29 +659,32 @@ class MegatronWorker:
             out = {k: v[inverse] for k, v in out.items()}
         return Batch(out)
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
-        return self._forward_batch(batch, with_entropy)
+        return self._forward_batch(batch, with_entropy, temperature)
 
     def compute_values(self, batch: Batch) -> Batch:
         assert self.spec.value_head, f"role {self.spec.role} has no value head"
         return self._forward_batch(batch, False)
 
-    def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
+    def update(self, minibatches: list[Batch], loss_fn: LossFn,
+               context: UpdateContext | None = None) -> list[dict[str, float]]:
         from rlx.step import run_update
 
         for m in self.model:
             m.train()
         if self.pp_size == 1:
-            return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget)
-        return [self._pipeline_update(mini, loss_fn) for mini in minibatches]
+            return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget,
+                              context=context)
+        return [self._pipeline_update(mini, loss_fn, context or UpdateContext()) for mini in minibatches]
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        return self.update([batch], loss_fn)[0]
+    def train_step(self, batch: Batch, loss_fn: LossFn, context: UpdateContext | None = None) -> dict[str, float]:
+        return self.update([batch], loss_fn, context)[0]
 
     # -- pipeline parallelism: megatron-core's schedules ------------------------------------------------
     def _pipeline(self, micros: list[Batch], loss_fn: LossFn | None, with_entropy: bool,
-                  entropy_grad: bool = True) -> list[Any]:
+                  entropy_grad: bool = True, temperature: float = 1.0,
+                  loss_context: LossContext | None = None) -> list[Any]:
         """Run ``micros`` through megatron-core's pipeline schedule (1F1B, or interleaved with virtual
         stages). ``loss_fn`` None: forward only, each micro-batch's outputs (on the CPU) come back on the last
         stage. Otherwise forward and backward with the algorithm's loss; (metrics, token weight) per
@@ -700,16 +705,16 @@ class MegatronWorker:
 
         def step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
-            output, where = self._run_chunk(model, micro, with_entropy)
+            output, where = self._run_chunk(model, micro, with_entropy, temperature)
 
             def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-                outputs = self._outputs(out, where, micro, with_entropy)
+                outputs = self._outputs(out, where, micro, with_entropy, temperature)
                 if not entropy_grad and "entropy" in outputs:
                     outputs["entropy"] = outputs["entropy"].detach()
                 if loss_fn is None:
                     return (out.sum() * 0.0, torch.ones((), dtype=torch.int, device=out.device),
                             {k: v.detach().cpu() for k, v in outputs.items()})
-                loss, metrics = loss_fn(outputs, micro)
+                loss, metrics = loss_fn(outputs, micro, loss_context)
                 weight = float(micro["response_mask"].sum())
                 return loss, torch.ones((), dtype=torch.int, device=out.device), ({k: float(v) for k, v in
                                                                                    metrics.items()}, weight)
@@ -724,17 +729,15 @@ class MegatronWorker:
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(micros),
             seq_length=longest, micro_batch_size=max(len(mb) for mb in micros), forward_only=loss_fn is None)
 
-    def _pipeline_update(self, mini: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def _pipeline_update(self, mini: Batch, loss_fn: LossFn, context: UpdateContext) -> dict[str, float]:
         """One optimizer step over a mini-batch: the shared step's cut and counts, megatron-core's schedule."""
-        from rlx.step import micro_batches
+        from rlx.step import loss_context, micro_batches
 
-        mask = mini["response_mask"]
-        tokens, seqs = self.all_reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
-        mini.meta["minibatch_tokens"], mini.meta["minibatch_seqs"] = tokens, seqs
+        ctx = loss_context(self, mini, context)
         self.zero_grad()
         parts = [mb for _, mb in micro_batches(self, mini, self.spec.micro_batch_size, self.update_budget)]
         entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", True))
-        results = self._pipeline(parts, loss_fn, True, entropy_grad)
+        results = self._pipeline(parts, loss_fn, True, entropy_grad, context.temperature, ctx)
         grad_norm, applied, lr = self.optimizer_step()
         sums: dict[str, float] = {}
         weight = 0.0

@@ -28,7 +28,7 @@ from rlx.plugins.modeling.model import (
 )
 from rlx.plugins.modeling.packing import supports_packing, use_packed_sdpa
 from rlx.protocols import LossFn, RoleSpec
-from rlx.records import LoraSpec
+from rlx.records import LoraSpec, UpdateContext
 
 if TYPE_CHECKING:
     import torch
@@ -157,14 +157,15 @@ class TorchWorker:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t.tolist()
 
-    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    def forward(self, micro: Batch, *, grad: bool, entropy_grad: bool = True,
+                temperature: float = 1.0) -> dict[str, torch.Tensor]:
 
         import torch
 
         with self._precision(), (contextlib.nullcontext() if grad else torch.no_grad()):
             if self.spec.value_head:
                 return {"values": self._values(micro)}
-            return self._log_probs(micro, float(micro.meta.get("temperature", 1.0)), True, entropy_grad)
+            return self._log_probs(micro, float(temperature), True, entropy_grad)
 
     def _values(self, micro: Batch) -> torch.Tensor:
         return response_values(self.model, micro, packed=self.packed).float()
@@ -240,29 +241,30 @@ class TorchWorker:
         assert self.spec.value_head, f"role {self.spec.role} has no value head"
         return self._forward_no_grad(batch, lambda mb: {"values": self._values(mb)})
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
-        temperature = float(batch.meta.get("temperature", 1.0))
-        return self._forward_no_grad(batch, lambda mb: self._log_probs(mb, temperature, with_entropy))
+        return self._forward_no_grad(batch, lambda mb: self._log_probs(mb, float(temperature), with_entropy))
 
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+    def compute_ref_log_probs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """The reference policy's log-probs under LoRA: this model with its adapter switched off (the
         untouched base), instead of a second copy of the base in a reference worker."""
         assert self.lora is not None, f"role {self.spec.role} has no LoRA adapter to switch off"
         with self.model.disable_adapter():
-            return self.compute_log_probs(batch)
+            return self.compute_log_probs(batch, temperature=temperature)
 
     # -- training ---------------------------------------------------------------------------
-    def update(self, minibatches: list[Batch], loss_fn: LossFn) -> list[dict[str, float]]:
+    def update(self, minibatches: list[Batch], loss_fn: LossFn,
+               context: UpdateContext | None = None) -> list[dict[str, float]]:
         """One optimizer step per mini-batch (``rlx.step.run_update``)."""
         from rlx.step import run_update
 
         self.model.train()
-        return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget)
+        return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget,
+                          context=context)
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Batch, loss_fn: LossFn, context: UpdateContext | None = None) -> dict[str, float]:
         """One optimizer step over ``batch`` (a mini-batch), accumulating over micro-batches."""
-        return self.update([batch], loss_fn)[0]
+        return self.update([batch], loss_fn, context)[0]
 
     # -- weights and checkpoints ------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

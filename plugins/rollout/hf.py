@@ -117,8 +117,6 @@ class HFRollout:
         rows = prompts.repeat_interleave(params.n)
         chunks = [self._generate(mb, params) for mb in rows.split(self.options.micro_batch_size)]
         out = concat_rollouts(chunks, self.pad_token_id)
-        out.meta["temperature"] = 1.0 if params.greedy else params.temperature
-        out.meta["pad_token_id"] = self.pad_token_id  # to pad other ranks' rollouts to one width
         return out
 
     def _generate(self, batch: Batch, params: SamplingParams) -> Batch:

@@ -249,8 +249,6 @@ class SGLangRollout:
         batch = Batch({"prompts": repeated["input_ids"], "prompt_mask": repeated["attention_mask"],
                        "responses": responses, "response_mask": mask, "rollout_log_probs": log_probs},
                       dict(repeated.non_tensors))
-        batch.meta["temperature"] = 1.0 if greedy else params.temperature
-        batch.meta["pad_token_id"] = self.pad_token_id
         return batch
 
     def _generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -296,8 +296,6 @@ class VLLMRollout:
         out_batch = Batch({"prompts": repeated["input_ids"], "prompt_mask": repeated["attention_mask"],
                            "responses": responses, "response_mask": mask, "rollout_log_probs": log_probs},
                           dict(repeated.non_tensors))
-        out_batch.meta["temperature"] = 1.0 if greedy else params.temperature
-        out_batch.meta["pad_token_id"] = self.pad_token_id
         return out_batch
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -450,7 +450,8 @@ def test_reward_worker_keeps_its_contract_and_flags_failures(tok):
     assert out["reward_extra/failed/exception"].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert out["reward_extra/failed/invalid"].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert out["reward_extra/flaky/len"].tolist() == [1.0, 0.0, 3.0, 3.0]
-    assert [(f["index"], f["kind"]) for f in out.meta["reward_failures"]] == [(1, "exception"), (3, "invalid")]
+    errors = out["reward_error"]
+    assert [(i, e.split(":")[0]) for i, e in enumerate(errors) if e] == [(1, "exception"), (3, "invalid")]
     assert {k for k in out.tensors if k.startswith("reward_extra/failed")} == {
         "reward_extra/failed", *(f"reward_extra/failed/{k}" for k in FAILURE_KINDS)}
 

@@ -120,9 +120,9 @@ def test_optimizer_steps_per_training_step(tmp_path):
     def counting_loss_fn():
         loss_fn = make_loss()
 
-        def fn(outputs, micro):
+        def fn(outputs, micro, ctx):
             pending.append(len(micro))
-            return loss_fn(outputs, micro)
+            return loss_fn(outputs, micro, ctx)
 
         return fn
 

@@ -32,7 +32,7 @@ def test_actor_keeps_float32_master_weights_and_trains_under_autocast(tiny_model
                    "prompt_mask": torch.ones(4, 5, dtype=torch.long),
                    "responses": torch.randint(3, 60, (4, 3), generator=g),
                    "response_mask": torch.ones(4, 3, dtype=torch.long),
-                   "old_log_probs": torch.zeros(4, 3), "advantages": torch.ones(4, 3)}, meta={"temperature": 1.0})
+                   "old_log_probs": torch.zeros(4, 3), "advantages": torch.ones(4, 3)})
     metrics = actor.train_step(batch, GRPOLoss(GRPOOptions(use_kl_loss=False)))
     assert seen and set(seen) == {torch.bfloat16}
     assert {p.dtype for p in actor.model.parameters()} == {torch.float32}

@@ -17,6 +17,7 @@ from rlx.context import BuildContext
 from rlx.errors import UserError
 from rlx.plugins.algorithms.base import ActorLoss, AlgorithmOptions, CriticLoss, PolicyGradient
 from rlx.protocols import EstimatorInputs, RunInfo, advantage_estimator, estimator_requires
+from rlx.records import LossContext
 from rlx.registry import PluginManager
 
 G = 1e6  # garbage written into padded positions
@@ -287,9 +288,9 @@ def test_dr_grpo_normaliser_is_the_response_budget_not_the_padded_width():
         mask[0, :2] = 1
         mask[1, :1] = 1
         lp = torch.full((2, width), -1.0)
-        mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, width)},
-                   meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0, "max_response_length": 8})
-        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros(2, width)}, mb)
+        mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": torch.ones(2, width)})
+        ctx = LossContext(3.0, 2.0, 8)
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros(2, width)}, mb, ctx)
         losses.append(float(loss))
     assert losses[0] == pytest.approx(-(3 / 8) / 2, rel=1e-6)
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
@@ -300,11 +301,11 @@ def test_actor_loss_kl_and_entropy_terms():
     mask = t([[1, 1, 0], [1, 0, 0]])
     lp = t([[-1.0, -2.0, G], [-0.5, G, G]])
     mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": t([[1.0, 1.0, 0], [-2.0, 0, 0]]),
-                "ref_log_probs": t([[-1.0, -1.0, G], [-1.5, -G, G]])},
-               meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0})
+                "ref_log_probs": t([[-1.0, -1.0, G], [-1.5, -G, G]])})
+    ctx = LossContext(3.0, 2.0)
     entropy = t([[2.0, 1.0, G], [3.0, G, G]])
     opts = AlgorithmOptions(kl_loss_coef=0.1, entropy_coeff=0.01, kl_loss_type="k3")
-    loss, m = ActorLoss(opts)({"log_probs": lp, "entropy": entropy}, mb)
+    loss, m = ActorLoss(opts)({"log_probs": lp, "entropy": entropy}, mb, ctx)
     # ratio 1: pg = -(1 + 1 - 2) / 3 = 0; k3 with d = logp - ref: x = -d -> e^x - x - 1
     k3 = [math.exp(0) - 0 - 1, math.exp(1) - 1 - 1, math.exp(-1) + 1 - 1]
     want = 0.1 * sum(k3) / 3 - 0.01 * (2 + 1 + 3) / 3
@@ -319,9 +320,10 @@ def test_critic_loss_clipping_and_metrics():
     """0.5 * max((v - R)^2, (clip(v, old +- 0.5) - R)^2), token-mean over the mini-batch's 3 tokens."""
     mask = t([[1, 1, 0], [1, 0, 0]])
     mb = Batch({"response_mask": mask, "values": t([[0.0, 0.0, G], [1.0, G, G]]),
-                "returns": t([[1.0, -1.0, G], [1.0, G, G]])}, meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0})
+                "returns": t([[1.0, -1.0, G], [1.0, G, G]])})
+    ctx = LossContext(3.0, 2.0)
     v = t([[2.0, -0.25, G], [1.0, G, G]])
-    loss, m = CriticLoss(0.5)({"values": v}, mb)
+    loss, m = CriticLoss(0.5)({"values": v}, mb, ctx)
     # token 1: v 2 -> clipped 0.5; (2-1)^2 = 1 vs (0.5-1)^2 = .25 -> 1 ; token 2: v -.25 within clip -> .5625
     # token 3: 0 -> total 0.5 * (1 + 0.5625 + 0) / 3
     assert float(loss) == pytest.approx(0.5 * 1.5625 / 3)
@@ -329,11 +331,11 @@ def test_critic_loss_clipping_and_metrics():
     assert m["critic/vf_clipfrac"] == 0.0  # the clipped term was never the larger one
     assert m["critic/vpred_mean"] == pytest.approx((2 - 0.25 + 1) / 3)
     # a step that moves a value away from the return beyond the clip range: the clipped loss counts
-    loss2, m2 = CriticLoss(0.5)({"values": t([[-1.0, -1.0, G], [1.0, G, G]])}, mb)
+    loss2, m2 = CriticLoss(0.5)({"values": t([[-1.0, -1.0, G], [1.0, G, G]])}, mb, ctx)
     # token 1: (-1-1)^2 = 4 vs clip(-1, -.5, .5) = -.5 -> 2.25 -> 4 ; token 2: 0 vs (-.5+1)^2 = .25 -> .25 clipped
     assert float(loss2) == pytest.approx(0.5 * (4 + 0.25) / 3)
     assert m2["critic/vf_clipfrac"] == pytest.approx(1 / 3)
-    loss3, _ = CriticLoss(None)({"values": t([[-1.0, -1.0, G], [1.0, G, G]])}, mb)  # no clipping
+    loss3, _ = CriticLoss(None)({"values": t([[-1.0, -1.0, G], [1.0, G, G]])}, mb, ctx)  # no clipping
     assert float(loss3) == pytest.approx(0.5 * 4 / 3)
 
 
@@ -381,13 +383,13 @@ def test_dual_clip_is_on_by_default_as_in_verl(pm):
         assert pm.get("algorithm", name).load_config_model()().clip_ratio_c == 3.0, name
     # one token, A = -1, ratio e^2 = 7.39: clip -> max(7.39, 0.8) = 7.39, dual clip -> min(7.39, 3) = 3
     mask = t([[1.0]])
-    mb = Batch({"response_mask": mask, "old_log_probs": t([[-3.0]]), "advantages": t([[-1.0]])},
-               meta={"minibatch_tokens": 1.0, "minibatch_seqs": 1.0})
+    mb = Batch({"response_mask": mask, "old_log_probs": t([[-3.0]]), "advantages": t([[-1.0]])})
+    ctx = LossContext(1.0, 1.0)
     out = {"log_probs": t([[-1.0]]), "entropy": t([[0.0]])}
-    loss, m = ActorLoss(AlgorithmOptions(use_kl_loss=False))(out, mb)
+    loss, m = ActorLoss(AlgorithmOptions(use_kl_loss=False))(out, mb, ctx)
     assert float(loss) == pytest.approx(3.0)
     assert m["actor/pg_clipfrac_dual"] == 1.0
-    loss_off, _ = ActorLoss(AlgorithmOptions(use_kl_loss=False, clip_ratio_c=None))(out, mb)
+    loss_off, _ = ActorLoss(AlgorithmOptions(use_kl_loss=False, clip_ratio_c=None))(out, mb, ctx)
     assert float(loss_off) == pytest.approx(math.exp(2.0), rel=1e-6)
 
 
@@ -402,13 +404,13 @@ def test_gspo_aggregates_per_sequence_unless_told_otherwise():
     # lengths, but rows weigh by tokens in token-mean: with A = 2 on the short row, (-2 - 3) / 4 vs (-2 - 1) / 2
     mask = t([[1, 0, 0], [1, 1, 1]])
     lp = torch.full((2, 3), -1.0)
-    mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": t([[2, 2, 2], [1, 1, 1]])},
-               meta={"minibatch_tokens": 4.0, "minibatch_seqs": 2.0})
+    mb = Batch({"response_mask": mask, "old_log_probs": lp.clone(), "advantages": t([[2, 2, 2], [1, 1, 1]])})
+    ctx = LossContext(4.0, 2.0)
     out = {"log_probs": lp, "entropy": torch.zeros(2, 3)}
-    loss, _ = ActorLoss(AlgorithmOptions(policy_loss="gspo", use_kl_loss=False))(out, mb)
+    loss, _ = ActorLoss(AlgorithmOptions(policy_loss="gspo", use_kl_loss=False))(out, mb, ctx)
     assert float(loss) == pytest.approx(-3 / 2)
     loss_tok, _ = ActorLoss(AlgorithmOptions(policy_loss="gspo", use_kl_loss=False, loss_agg_mode="token-mean"))(
-        out, mb)
+        out, mb, ctx)
     assert float(loss_tok) == pytest.approx(-5 / 4)
 
 
@@ -513,15 +515,15 @@ def _reference_terms(lp: torch.Tensor, ent: torch.Tensor, kl_type: str, agg: str
 def test_actor_loss_gradient_of_each_term(kl_type, agg):
     """The whole loss and the gradient of each term (policy, KL loss, entropy bonus), each isolated by
     switching it on and off, match the reference; a term with the right value but no gradient fails."""
-    mb = Batch({"response_mask": GMASK, "old_log_probs": GOLD, "ref_log_probs": GREF, "advantages": GADV},
-               meta={"minibatch_tokens": float(GMASK.sum()), "minibatch_seqs": 3.0})
+    mb = Batch({"response_mask": GMASK, "old_log_probs": GOLD, "ref_log_probs": GREF, "advantages": GADV})
+    ctx = LossContext(float(GMASK.sum()), 3.0)
     kl_coef, ent_coef = 0.3, 0.05
 
     def grads(**options):
         lp = GLP.clone().requires_grad_(True)
         ent = GENT.clone().requires_grad_(True)
         opts = AlgorithmOptions(loss_agg_mode=agg, kl_loss_type=kl_type, kl_loss_coef=kl_coef, **options)
-        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb)
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb, ctx)
         g_lp, g_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
         return loss.detach(), g_lp, (torch.zeros_like(ent) if g_ent is None else g_ent)
 
@@ -553,12 +555,13 @@ def test_actor_loss_gradient_is_finite_and_zero_at_nan_padding():
         return torch.where(pad, torch.full_like(x, v), x)
 
     mb = Batch({"response_mask": GMASK, "old_log_probs": junk(GOLD, -math.inf), "ref_log_probs": junk(GREF, nan),
-                "advantages": junk(GADV, math.inf)}, meta={"minibatch_tokens": 9.0, "minibatch_seqs": 3.0})
+                "advantages": junk(GADV, math.inf)})
+    ctx = LossContext(9.0, 3.0)
     for kl_type in ("k1", "k2", "k3", "abs"):
         lp = junk(GLP, 0.5).requires_grad_(True)
         ent = junk(GENT, nan).requires_grad_(True)
         opts = AlgorithmOptions(kl_loss_type=kl_type, kl_loss_coef=0.3, entropy_coeff=0.05)
-        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb)
+        loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": ent}, mb, ctx)
         assert math.isfinite(float(loss.detach()))
         for g in torch.autograd.grad(loss, (lp, ent)):
             assert torch.isfinite(g).all() and torch.all(g[pad] == 0), (kl_type, g)
@@ -567,10 +570,10 @@ def test_actor_loss_gradient_is_finite_and_zero_at_nan_padding():
 def test_critic_loss_gradient_matches_reference():
     mask = t([[1, 1, 0], [1, 0, 0]])
     old, ret = t([[0.0, 0.0, G], [1.0, G, G]]), t([[1.0, -1.0, G], [0.2, -G, G]])
-    mb = Batch({"response_mask": mask, "values": old, "returns": ret},
-               meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0})
+    mb = Batch({"response_mask": mask, "values": old, "returns": ret})
+    ctx = LossContext(3.0, 2.0)
     v = t([[2.0, -0.25, math.nan], [0.9, G, G]]).requires_grad_(True)
-    (g,) = torch.autograd.grad(CriticLoss(0.5)({"values": v}, mb)[0], v)
+    (g,) = torch.autograd.grad(CriticLoss(0.5)({"values": v}, mb, ctx)[0], v)
     # d/dv of 0.5 max((v - R)^2, (clip(v, old +- .5) - R)^2) / 3 tokens:
     #   token 1: v = 2 beyond the clip, (v - R)^2 = 1 > (0.5 - 1)^2: (2 - 1) / 3 ; token 2: (-0.25 + 1) / 3 ;
     #   token 3: v = 0.9 inside the clip: (0.9 - 0.2) / 3 ; padding 0

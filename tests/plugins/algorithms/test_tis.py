@@ -14,6 +14,7 @@ from rlx.errors import UserError
 from rlx.plugins.algorithms import functional as F
 from rlx.plugins.algorithms.base import ActorLoss, AlgorithmOptions
 from rlx.protocols import RunInfo
+from rlx.records import LossContext
 from rlx.registry import PluginManager
 
 G = 1e6  # garbage in padded positions
@@ -66,17 +67,20 @@ def test_token_weights_scale_each_tokens_loss_and_gradient(loss_name):
 def minibatch(**extra) -> Batch:
     tensors = {"response_mask": MASK, "old_log_probs": OLD, "advantages": ADV, "rollout_log_probs": ROLLOUT}
     tensors.update(extra)
-    return Batch(tensors, meta={"minibatch_tokens": 3.0, "minibatch_seqs": 2.0})
+    return Batch(tensors)
+
+
+CTX = LossContext(3.0, 2.0)  # the mini-batch's 3 response tokens in 2 sequences
 
 
 def test_actor_loss_with_tis_cap_multiplies_each_tokens_policy_loss():
     opts = dict(use_kl_loss=False)
     lp = OLD.clone()
     outputs = {"log_probs": lp, "entropy": torch.zeros_like(lp)}
-    plain, m0 = ActorLoss(AlgorithmOptions(**opts))(outputs, minibatch())
+    plain, m0 = ActorLoss(AlgorithmOptions(**opts))(outputs, minibatch(), CTX)
     assert float(plain) == pytest.approx(-(1 + 2 - 3) / 3, abs=1e-7)  # off by default: weights 1
     assert "actor/tis_weight_mean" not in m0
-    loss, m = ActorLoss(AlgorithmOptions(tis_cap=1.5, **opts))(outputs, minibatch())
+    loss, m = ActorLoss(AlgorithmOptions(tis_cap=1.5, **opts))(outputs, minibatch(), CTX)
     want = -(1.5 * 1 + math.exp(-1.0) * 2 + 1.0 * -3) / 3
     assert float(loss) == pytest.approx(want, rel=1e-6)
     assert m["actor/pg_loss"] == pytest.approx(want, rel=1e-6)

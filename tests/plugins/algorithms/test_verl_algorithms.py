@@ -22,6 +22,7 @@ from rlx.errors import UserError
 from rlx.plugins.algorithms import functional as F
 from rlx.plugins.algorithms.base import AlgorithmOptions
 from rlx.protocols import EstimatorInputs
+from rlx.records import LossContext
 from rlx.registry import PluginManager
 
 D = torch.float64
@@ -392,11 +393,11 @@ def test_actor_loss_hands_the_knobs_to_the_loss():
 
     logp = t([[-0.5, -1.0, -2.0, -0.5]])
     old = t([[-0.7, -1.0, -2.0, -0.5]])
-    mb = Batch({"response_mask": t(COV_MASK), "old_log_probs": old, "advantages": t(COV_ADV)},
-               meta={"minibatch_tokens": 4, "minibatch_seqs": 1})
+    mb = Batch({"response_mask": t(COV_MASK), "old_log_probs": old, "advantages": t(COV_ADV)})
+    ctx = LossContext(4, 1)
     out = {"log_probs": logp, "entropy": torch.zeros_like(logp)}
     opts = AlgorithmOptions(policy_loss="kl_cov", kl_cov_ratio=0.25, ppo_kl_coef=1.0, use_kl_loss=False)
-    loss, metrics = ActorLoss(opts)(out, mb)
+    loss, metrics = ActorLoss(opts)(out, mb, ctx)
     r0 = math.exp(0.2)
     assert float(loss) == pytest.approx((-2 * r0 + 1.0 * 0.2 + 2) / 4, abs=1e-12)  # ppo_kl_coef 1, not 0.1
     assert metrics["actor/pg_covfrac"] == pytest.approx(0.25)
@@ -539,10 +540,10 @@ def test_rollout_correction_reaches_the_actor_loss(pm):
                                      [math.exp(-0.05), 0, 0]]).float())
     metrics = alg.metrics(batch)
     assert metrics["rollout_corr/rs_masked_fraction"] == pytest.approx(1 / 6)
-    mb = Batch({k: batch[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights")},
-               meta={"minibatch_tokens": 6, "minibatch_seqs": 3})
+    mb = Batch({k: batch[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights")})
+    ctx = LossContext(6, 3)
     lp = RC_OLD.clone().requires_grad_(True)  # on-policy: each token's loss is -w_t A_t
-    loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros_like(lp)}, mb)
+    loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros_like(lp)}, mb, ctx)
     adv = batch["advantages"][:, 0].double()
     want = -(1.5 * adv[0] + (math.exp(0.2) + math.exp(0.1) + math.exp(0.3)) * adv[1] + math.exp(-0.05) * adv[2]) / 6
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-6)

@@ -17,10 +17,11 @@ from rlx.plugins.algorithms.grpo import GRPOLoss, GRPOOptions
 from rlx.plugins.modeling.model import lr_lambda
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.records import ForwardOptions
+from rlx.records import ForwardOptions, UpdateContext
 
 PAD = 0
 TEMPERATURE = 0.7
+CTX = UpdateContext(temperature=TEMPERATURE)  # the updates run at the sampling temperature, as in training
 PROMPT_LENGTHS = [5, 9, 3, 7, 9, 4, 6, 8]
 RESPONSE_LENGTHS = [6, 1, 4, 6, 2, 5, 3, 6]  # ragged; every micro-batch of 2 has its own token count
 
@@ -54,8 +55,7 @@ def make_batch(seed: int = 0, rows: int = 8) -> Batch:
     advantages = torch.randn(rows, 1, generator=g) * mask  # one advantage per response, on its tokens
     old_log_probs = (-2.0 - torch.rand(rows, R, generator=g)) * mask
     return Batch({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                  "response_mask": response_mask, "advantages": advantages, "old_log_probs": old_log_probs},
-                 meta={"temperature": TEMPERATURE})
+                  "response_mask": response_mask, "advantages": advantages, "old_log_probs": old_log_probs})
 
 
 def weights(worker: TorchWorker) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ def manual_log_probs(model, batch: Batch, temperature: float) -> list[torch.Tens
 def test_compute_log_probs_matches_manual(model_path):
     worker = make_worker(model_path, trainable=False, micro_batch_size=3)
     batch = make_batch()
-    out = worker.compute_log_probs(batch, with_entropy=True)
+    out = worker.compute_log_probs(batch, with_entropy=True, temperature=TEMPERATURE)
     R = batch["responses"].shape[1]
     assert out["log_probs"].shape == (8, R) and out["entropy"].shape == (8, R)
     assert not out["log_probs"].requires_grad
@@ -98,9 +98,9 @@ def test_compute_log_probs_matches_manual(model_path):
         logits = worker.model(input_ids=torch.cat([p, r])[None]).logits[0, len(p) - 1:-1] / TEMPERATURE
     ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     torch.testing.assert_close(out["entropy"][0][mask[0]], ent, atol=1e-5, rtol=0)
-    # Neither the micro-batch size nor the temperature's absence (1.0) changes how rows are scored.
+    # The micro-batch size does not change how rows are scored; without a temperature they are scored at 1.0.
     worker.spec = dataclasses.replace(worker.spec, forward=ForwardOptions(log_prob_micro_batch_size=8))
-    whole = worker.compute_log_probs(batch)
+    whole = worker.compute_log_probs(batch, temperature=TEMPERATURE)
     torch.testing.assert_close(whole["log_probs"][mask], out["log_probs"][mask], atol=1e-5, rtol=0)
     plain = Batch(dict(batch.tensors))
     at_one = worker.compute_log_probs(plain)
@@ -142,8 +142,8 @@ def test_gradient_accumulation_is_exact(model_path, agg, packed):
     micro = make_worker(model_path, micro_batch_size=2, forward=ForwardOptions(use_remove_padding=packed))
     assert whole.packed is packed
     start = weights(whole)
-    m_whole = whole.train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
-    m_micro = micro.train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    m_whole = whole.train_step(make_batch(), grpo_loss(loss_agg_mode=agg), CTX)
+    m_micro = micro.train_step(make_batch(), grpo_loss(loss_agg_mode=agg), CTX)
     after_whole, after_micro = weights(whole), weights(micro)
     moved = max(float((after_whole[k] - start[k]).abs().max()) for k in start)
     assert moved > 1e-4  # the step did something measurable
@@ -158,8 +158,8 @@ def test_gradient_accumulation_is_exact(model_path, agg, packed):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_reported_pg_loss_does_not_depend_on_micro_batches(model_path, agg):
-    whole = make_worker(model_path, micro_batch_size=8).train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
-    micro = make_worker(model_path, micro_batch_size=2).train_step(make_batch(), grpo_loss(loss_agg_mode=agg))
+    whole = make_worker(model_path, micro_batch_size=8).train_step(make_batch(), grpo_loss(loss_agg_mode=agg), CTX)
+    micro = make_worker(model_path, micro_batch_size=2).train_step(make_batch(), grpo_loss(loss_agg_mode=agg), CTX)
     assert micro["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5, abs=1e-7)
 
 
@@ -180,18 +180,18 @@ def test_lr_schedule_values(model_path):
     worker = make_worker(model_path, lr=1e-2, warmup_steps=2, total_steps=6, lr_schedule="cosine",
                          micro_batch_size=2)
     small = make_batch(rows=2)
-    used = [worker.train_step(small, grpo_loss())["lr"] for _ in range(4)]
+    used = [worker.train_step(small, grpo_loss(), CTX)["lr"] for _ in range(4)]
     assert used == pytest.approx([1e-2 * f for f in expected[:4]])
 
 
 def test_checkpoint_round_trip(model_path, tmp_path):
     loss = grpo_loss()
     a = make_worker(model_path, micro_batch_size=4, warmup_steps=2, total_steps=5, lr_schedule="cosine")
-    a.train_step(make_batch(seed=1), loss)
+    a.train_step(make_batch(seed=1), loss, CTX)
     a.save_checkpoint(str(tmp_path / "ckpt"))
     saved = weights(a)
     saved_optim = copy.deepcopy(a.optimizer.state_dict())
-    m_a = a.train_step(make_batch(seed=2), loss)
+    m_a = a.train_step(make_batch(seed=2), loss, CTX)
     after_a = weights(a)
 
     b = make_worker(model_path, micro_batch_size=4, warmup_steps=2, total_steps=5, lr_schedule="cosine")
@@ -207,7 +207,7 @@ def test_checkpoint_round_trip(model_path, tmp_path):
             assert torch.equal(loaded["state"][idx][name], value), (idx, name)
     assert b.scheduler.last_epoch == 1
 
-    m_b = b.train_step(make_batch(seed=2), loss)
+    m_b = b.train_step(make_batch(seed=2), loss, CTX)
     for k, v in weights(b).items():
         assert torch.equal(v, after_a[k]), k
     assert m_b == m_a
@@ -219,7 +219,7 @@ def test_non_finite_loss_skips_the_step(model_path):
     before = weights(worker)
     bad = make_batch()
     bad.tensors["advantages"][3, 0] = float("nan")
-    metrics = worker.train_step(bad, grpo_loss())
+    metrics = worker.train_step(bad, grpo_loss(), CTX)
     assert metrics["skipped_step"] == 1.0
     assert not math.isfinite(metrics["grad_norm"])
     for k, v in weights(worker).items():
@@ -227,14 +227,14 @@ def test_non_finite_loss_skips_the_step(model_path):
     assert not worker.optimizer.state  # AdamW moments untouched by the bad batch
     assert all(p.grad is None for p in worker.model.parameters())
 
-    def inf_loss(outputs, mb):
+    def inf_loss(outputs, mb, ctx):
         return outputs["log_probs"].sum() * float("inf"), {}
 
-    assert worker.train_step(make_batch(), inf_loss)["skipped_step"] == 1.0
+    assert worker.train_step(make_batch(), inf_loss, CTX)["skipped_step"] == 1.0
     for k, v in weights(worker).items():
         assert torch.equal(v, before[k]), k
     # The next good batch trains normally.
-    good = worker.train_step(make_batch(), grpo_loss())
+    good = worker.train_step(make_batch(), grpo_loss(), CTX)
     assert good["skipped_step"] == 0.0 and math.isfinite(good["grad_norm"])
     assert any(not torch.equal(v, before[k]) for k, v in weights(worker).items())
 
@@ -248,7 +248,7 @@ def test_frozen_role_has_no_optimizer_and_no_grads(model_path):
     assert not out["log_probs"].requires_grad
     assert all(p.grad is None for p in worker.model.parameters())
     with pytest.raises(AssertionError, match="not trainable"):
-        worker.train_step(make_batch(), grpo_loss())
+        worker.train_step(make_batch(), grpo_loss(), CTX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,8 +307,8 @@ def test_critic_gradient_accumulation_is_exact(model_path, packed):
     # fresh value head's initial outputs are
     noise = torch.randn(batch["values"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
     batch.tensors["values"] = (whole.compute_values(batch)["values"] + noise) * batch["response_mask"]
-    m_whole = whole.train_step(copy.deepcopy(batch), CriticLoss(0.05))
-    m_micro = micro.train_step(copy.deepcopy(batch), CriticLoss(0.05))
+    m_whole = whole.train_step(copy.deepcopy(batch), CriticLoss(0.05), CTX)
+    m_micro = micro.train_step(copy.deepcopy(batch), CriticLoss(0.05), CTX)
     moved = max(float((weights(whole)[k] - start[k]).abs().max()) for k in start)
     assert moved > 1e-4
     after_micro = weights(micro)
@@ -323,13 +323,13 @@ def test_critic_checkpoint_round_trip(model_path, tmp_path):
     from rlx.plugins.algorithms.base import CriticLoss
 
     a = make_critic(model_path, micro_batch_size=4)
-    a.train_step(critic_batch(1), CriticLoss(0.5))
+    a.train_step(critic_batch(1), CriticLoss(0.5), CTX)
     a.save_checkpoint(str(tmp_path / "critic"))
     b = make_critic(model_path, micro_batch_size=4)
     b.load_checkpoint(str(tmp_path / "critic"))
     for k, v in weights(b).items():
         assert torch.equal(v, weights(a)[k]), k
-    assert b.train_step(critic_batch(2), CriticLoss(0.5)) == a.train_step(critic_batch(2), CriticLoss(0.5))
+    assert b.train_step(critic_batch(2), CriticLoss(0.5), CTX) == a.train_step(critic_batch(2), CriticLoss(0.5), CTX)
     # a saved critic loads as a value model with its trained head (critic.model_path=...)
     a.save_pretrained(str(tmp_path / "hf"))
     c = make_critic(str(tmp_path / "hf"))
@@ -391,10 +391,10 @@ def test_resume_with_a_longer_schedule_uses_the_new_schedule_at_once(model_path,
     8-step schedule's learning rate, not at the one the checkpoint recorded."""
     short = make_worker(model_path, lr=1e-3, total_steps=4, lr_schedule="cosine")
     for _ in range(2):
-        short.train_step(make_batch(), grpo_loss())
+        short.train_step(make_batch(), grpo_loss(), CTX)
     short.save_checkpoint(str(tmp_path / "ckpt"))
     long = make_worker(model_path, lr=1e-3, total_steps=8, lr_schedule="cosine")
     long.load_checkpoint(str(tmp_path / "ckpt"))
     expected = 1e-3 * lr_lambda(long.spec)(2)
     assert expected != pytest.approx(1e-3 * lr_lambda(short.spec)(2))
-    assert long.train_step(make_batch(), grpo_loss())["lr"] == pytest.approx(expected, rel=1e-9)
+    assert long.train_step(make_batch(), grpo_loss(), CTX)["lr"] == pytest.approx(expected, rel=1e-9)

@@ -25,7 +25,7 @@ from rlx.plugins.modeling import packing
 from rlx.plugins.modeling.compile import compile_decoder_layers
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.records import ForwardOptions, RoleSettings
+from rlx.records import ForwardOptions, LossContext, RoleSettings
 
 # Inductor compiles CPU kernels with the system's C++ compiler (CI installs g++ when it is missing).
 needs_cxx_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in compiling.CXX_COMPILERS),
@@ -47,7 +47,8 @@ def worker(path: str, role: str = "actor", **options: Any) -> TorchWorker:
 
 def gradients(w: TorchWorker, batch: Any, loss_fn: Any) -> dict[str, torch.Tensor]:
     w.zero_grad()
-    loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+    ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))  # one mini-batch, one rank
+    loss, _ = loss_fn(w.forward(batch, grad=True), batch, ctx)
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
 
@@ -56,7 +57,6 @@ def actor_batch() -> Any:
     batch = make_batch()
     mask = batch["response_mask"]
     batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * mask
-    batch.meta.update(minibatch_tokens=float(mask.sum()), minibatch_seqs=float(len(batch)))
     return batch
 
 
@@ -218,7 +218,6 @@ def test_fsdp2_compiles_its_layers_and_matches_the_eager_run(tiny_model_path, tm
 
     batch = actor_batch()
     batch.tensors["old_log_probs"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    batch.meta.pop("minibatch_tokens"), batch.meta.pop("minibatch_seqs")
     mp.start_processes(_fsdp2_rank, args=(2, free_port(), tiny_model_path, batch, str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")
     for rank in range(2):

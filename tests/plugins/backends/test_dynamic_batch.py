@@ -60,9 +60,9 @@ def make(path: str, role: str = "actor", rank: int = 0, world: int = 1, micro: i
 
 def counting(loss_fn: Any, sizes: list[tuple[int, int]]) -> Any:
     """``loss_fn`` that records each micro-batch's rows and tokens."""
-    def fn(outputs: dict[str, torch.Tensor], mb: Batch) -> Any:
+    def fn(outputs: dict[str, torch.Tensor], mb: Batch, ctx: Any) -> Any:
         sizes.append((len(mb), sum(row_tokens(mb))))
-        return loss_fn(outputs, mb)
+        return loss_fn(outputs, mb, ctx)
 
     return fn
 

@@ -23,7 +23,7 @@ from rlx.plugins.modeling import head
 from rlx.plugins.modeling.head import chunked_head, fused_head_supported
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.records import ForwardOptions
+from rlx.records import ForwardOptions, LossContext
 
 VOCAB = 4096
 
@@ -158,9 +158,12 @@ def worker(path: str, chunk: int, packed: bool = True) -> TorchWorker:
 
 
 def batch_for(vocab: int):
-    batch = make_batch()
-    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
-    return batch
+    return make_batch()
+
+
+def ctx_of(batch) -> LossContext:
+    """One mini-batch on one rank: its own counts."""
+    return LossContext(float(batch["response_mask"].sum()), float(len(batch)))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -172,7 +175,7 @@ def test_worker_log_probs_entropy_and_gradients_equal_the_plain_path(wide_model,
     for chunk in (0, 5):
         w = worker(wide_model, chunk, packed)
         lp = w.compute_log_probs(batch, with_entropy=True)
-        loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+        loss, _ = loss_fn(w.forward(batch, grad=True), batch, ctx_of(batch))
         loss.backward()
         out[chunk] = lp, {n: p.grad.clone() for n, p in w.model.named_parameters()}
     for key in ("log_probs", "entropy"):
@@ -214,7 +217,7 @@ def test_no_float32_copy_of_the_logits_beyond_one_chunk(wide_model, one_thread, 
         w = worker(wide_model, chunk, packed)
         with VocabTensors() as seen:
             w.compute_log_probs(batch, with_entropy=True)
-            loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch)
+            loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch, ctx_of(batch))
             loss.backward()
         largest[chunk] = max(n for n, _ in seen.positions)
         assert any(dtype == torch.float32 for _, dtype in seen.positions)

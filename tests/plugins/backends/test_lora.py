@@ -274,9 +274,9 @@ def test_trainer_builds_no_reference_worker(tmp_path, monkeypatch):
     calls: list[str] = []
     original_ref = torch_local.TorchWorker.compute_ref_log_probs
 
-    def ref_log_probs(self, batch):
+    def ref_log_probs(self, batch, temperature=1.0):
         calls.append(self.spec.role)
-        return original_ref(self, batch)
+        return original_ref(self, batch, temperature)
 
     monkeypatch.setattr(torch_local.TorchWorker, "compute_ref_log_probs", ref_log_probs)
     pm = PluginManager()

@@ -133,6 +133,9 @@ def emulate_cuda_placement(setattr_: Any) -> None:
     setattr_(CudaRNGStatesTracker, "fork", lambda self, name="model-parallel-rng": contextlib.nullcontext())
 
 
+TEMPERATURE = 0.7  # the forward passes of these tests divide the logits by a sampling temperature
+
+
 def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_head: bool = False,
                       head: dict[str, torch.Tensor] | None = None, head_chunk: int = 0) -> dict[str, Any]:
     """The backend's forward pass (``run_model`` + ``model_outputs``) on ``batch``, then the gradients of
@@ -147,8 +150,9 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
         with torch.no_grad():
             chunks[0].output_layer.weight.copy_(head["weight"])
             chunks[0].output_layer.bias.copy_(head["bias"])
-    output, where = run_model(chunks[0], batch, 1, head_chunk)
-    out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True, head_done=head_chunk > 0)
+    output, where = run_model(chunks[0], batch, 1, head_chunk, temperature=TEMPERATURE)
+    out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True, head_done=head_chunk > 0,
+                        temperature=TEMPERATURE)
     if value_head:
         loss = (out["values"] ** 2).sum()
     else:
@@ -164,9 +168,7 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
 def forward_batch() -> Batch:
     from test_backend_torch import make_batch
 
-    batch = make_batch(seed=2)
-    batch.meta["temperature"] = 0.7
-    return batch
+    return make_batch(seed=2)  # scored at TEMPERATURE
 
 
 @pytest.fixture
@@ -358,7 +360,7 @@ def test_forward_gives_the_torch_backends_log_probs_entropy_and_values(
     mask = batch["response_mask"].bool()
     ref = TorchWorker(RoleSpec(role="ref", model_path=tiny_model_path, trainable=False, micro_batch_size=8),
                       TorchBackendOptions(), "cpu")
-    want = ref.compute_log_probs(batch, with_entropy=True)
+    want = ref.compute_log_probs(batch, with_entropy=True, temperature=TEMPERATURE)
     got = forward_and_grads(tiny_model_path, MegatronOptions(), batch)
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(got[key][mask], want[key][mask], atol=1e-5, rtol=1e-5)

@@ -28,7 +28,7 @@ from rlx.plugins.modeling.head import response_log_probs, response_values
 from rlx.plugins.modeling.packing import model_inputs
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
-from rlx.records import ForwardOptions
+from rlx.records import ForwardOptions, LossContext
 
 ATOL = 2e-5
 GRAD_RTOL = 1e-4
@@ -112,20 +112,20 @@ def test_packed_gradients_equal_the_padded_ones(model_path, chunk):
     """One backward of the GRPO loss (entropy bonus on, so the entropy's gradient counts too) and of the
     critic's loss: the same gradient for every parameter, packed or padded."""
     batch = make_batch()
-    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
+    batch_ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))
     loss_fn = grpo_loss(entropy_coeff=0.01)
     out = {}
     for packed in (False, True):
         w = worker(model_path, use_remove_padding=packed, log_prob_chunk_size=chunk)
-        loss, _ = loss_fn(w.forward(batch, grad=True), batch)
+        loss, _ = loss_fn(w.forward(batch, grad=True), batch, batch_ctx)
         loss.backward()
         out[packed] = grads(w.model)
     assert_grads_close(out[True], out[False], "actor")
     cbatch = critic_batch()
-    cbatch.meta.update(minibatch_tokens=float(cbatch["response_mask"].sum()), minibatch_seqs=float(len(cbatch)))
+    cbatch_ctx = LossContext(float(cbatch["response_mask"].sum()), float(len(cbatch)))
     for packed in (False, True):
         c = worker(model_path, "critic", use_remove_padding=packed)
-        loss, _ = CriticLoss(0.2)(c.forward(cbatch, grad=True), cbatch)
+        loss, _ = CriticLoss(0.2)(c.forward(cbatch, grad=True), cbatch, cbatch_ctx)
         loss.backward()
         out[packed] = grads(c.model)
     assert_grads_close(out[True], out[False], "critic")
@@ -135,7 +135,7 @@ def test_the_loss_sees_batch_by_response_length_tensors(model_path):
     batch = make_batch()
     seen = {}
 
-    def loss_fn(outputs, mb):
+    def loss_fn(outputs, mb, ctx):
         seen.update({k: tuple(v.shape) for k, v in outputs.items()})
         return outputs["log_probs"].sum() * 0.0, {}
 
@@ -164,7 +164,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mine = shard(batch, world)[rank]
-        mine.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
+        mine_ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))
         res: dict[str, Any] = {}
         for packed in (False, True):
             actor = FSDPWorker(spec(path, use_remove_padding=packed), FSDP2Options(), "cpu", "fsdp2")
@@ -173,7 +173,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
             lp = actor.compute_log_probs(mine, with_entropy=True)
             res[f"log_probs_{packed}"], res[f"entropy_{packed}"] = lp["log_probs"], lp["entropy"]
             res[f"values_{packed}"] = critic.compute_values(mine)["values"]
-            loss, _ = grpo_loss(entropy_coeff=0.01)(actor.forward(mine, grad=True), mine)
+            loss, _ = grpo_loss(entropy_coeff=0.01)(actor.forward(mine, grad=True), mine, mine_ctx)
             actor.backward(loss)
             res[f"grads_{packed}"] = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -201,8 +201,8 @@ def test_fsdp2_two_processes_packed_equals_padded(model_path, tmp_path):
     ref = worker(model_path, use_remove_padding=False)
     want = ref.compute_log_probs(batch, with_entropy=True)
     want_values = worker(model_path, "critic", use_remove_padding=False).compute_values(batch)["values"]
-    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
-    loss, _ = grpo_loss(entropy_coeff=0.01)(ref.forward(batch, grad=True), batch)
+    batch_ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))
+    loss, _ = grpo_loss(entropy_coeff=0.01)(ref.forward(batch, grad=True), batch, batch_ctx)
     loss.backward()
     want_grads = grads(ref.model)
     for packed in (False, True):
@@ -320,13 +320,13 @@ def test_varlen_flash_attention_equals_attention_per_sequence_on_a_gpu():
 def test_gradient_checkpointing_combines_with_packing_and_the_chunked_head(model_path):
     """Recomputed activations (the attention's packed layout included) give the same gradients."""
     batch = make_batch()
-    batch.meta.update(minibatch_tokens=float(batch["response_mask"].sum()), minibatch_seqs=float(len(batch)))
+    batch_ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))
     out = {}
     for recompute in (False, True):
         spec_ = dataclasses.replace(spec(model_path, log_prob_chunk_size=5), gradient_checkpointing=recompute)
         w = TorchWorker(spec_, TorchBackendOptions(), "cpu")
         assert w.packed and w.model.is_gradient_checkpointing is recompute
-        loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch)
+        loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch, batch_ctx)
         loss.backward()
         out[recompute] = grads(w.model)
     assert_grads_close(out[True], out[False], "gradient checkpointing")

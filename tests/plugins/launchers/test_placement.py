@@ -267,7 +267,7 @@ def ragged(rows: int, seed: int) -> Batch:
     return Batch({"prompts": torch.randint(3, 60, (rows, 40), generator=g) * prompt_mask,
                   "prompt_mask": prompt_mask,
                   "responses": torch.randint(3, 60, (rows, 60), generator=g) * response_mask,
-                  "response_mask": response_mask, "row": torch.arange(rows)}, meta={"pad_token_id": 0})
+                  "response_mask": response_mask, "row": torch.arange(rows)})
 
 
 @pytest.mark.parametrize("parts", [2, 3, 4])

@@ -133,7 +133,6 @@ def test_output_layout(rollout, prompts, tok):
     assert torch.equal(out["prompt_mask"], prompts["attention_mask"].repeat_interleave(n, dim=0))
     for key, values in prompts.non_tensors.items():
         assert out[key] == [v for v in values for _ in range(n)], key
-    assert out.meta["temperature"] == 1.0
     assert (out["response_mask"].sum(-1) <= max_tokens).all()
     assert torch.isfinite(out["rollout_log_probs"]).all() and (out["rollout_log_probs"] <= 0).all()
 
@@ -182,7 +181,6 @@ def test_greedy_is_deterministic_and_matches_manual_decode(engines, model, promp
     b = generate(engine, prompts, seed=1, **params)
     for key in ("responses", "response_mask", "rollout_log_probs"):
         assert torch.equal(a[key], b[key]), key
-    assert a.meta["temperature"] == 1.0
     expected = [manual_greedy(engine.model, ids, 6, {tok.eos_token_id}) for ids in unpadded_prompts(prompts)]
     assert_matches_decodes(a, [e for e in expected for _ in range(2)], tok.pad_token_id)
 
@@ -205,9 +203,8 @@ def test_rollout_log_probs_match_training_forward(engines, model, prompts, tempe
     engine = engines[model]
     stop = (5, 17, 33, 40, 48)  # a few stop ids so that responses have different lengths
     out = generate(engine, prompts, seed=11, n=3, max_tokens=12, temperature=temperature, stop_token_ids=stop)
-    assert out.meta["temperature"] == temperature
     with torch.no_grad():
-        lp, _ = response_log_probs(engine.model, out, out.meta["temperature"], with_entropy=False)
+        lp, _ = response_log_probs(engine.model, out, temperature, with_entropy=False)
     mask = out["response_mask"].bool()
     torch.testing.assert_close(lp[mask], out["rollout_log_probs"][mask], atol=1e-4, rtol=0)
 
