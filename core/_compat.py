@@ -13,6 +13,7 @@ import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
+from typing import Any
 
 MOVED: dict[str, str] = {
     "rlx.lora": "rlx.plugins.modeling.lora",
@@ -60,3 +61,19 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
         sys.meta_path.append(_MovedModules())
+
+
+def moved_attributes(module: str, table: dict[str, str]) -> Any:
+    """A module ``__getattr__`` for names that moved out of ``module`` (name -> the module that holds it now, or
+    ``"module:new_name"`` when it was renamed): the old ``from module import name`` still works, with a
+    DeprecationWarning naming the new home."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in table:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        home, _, new = table[name].partition(":")
+        warnings.warn(f"{module}.{name} moved to {home}.{new or name}; import it from there (the old path goes in "
+                      "the next release).", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), new or name)
+
+    return __getattr__

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from rlx import _compat
 from rlx.records import ForwardOptions, LossContext, RoleSettings, UpdateContext, lora_spec
 
 if TYPE_CHECKING:
@@ -208,3 +209,10 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn, mi
         step.update(grad_norm=grad_norm, lr=lr, skipped_step=float(not applied))
         out.append(step)
     return out
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "balance_for_ranks": "rlx.dispatch",
+    "balanced_order": "rlx.dispatch",
+})

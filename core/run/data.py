@@ -32,6 +32,19 @@ def _resource(ref: str) -> Any:
     return get_plugin_manager().components().get(("resource", scheme))
 
 
+# Where rlx's own schemes come from, for the message when none answers.
+SCHEME_HINT = {"builtin": " (rlx's own tasks plugin does: is it turned off by RLX_DISABLE_PLUGINS?)"}
+
+
+def unknown_scheme(ref: str) -> str | None:
+    """The scheme of ``ref`` when it reads as a ``scheme:name`` reference that no plugin resolves (and is not a
+    path that exists), else None."""
+    scheme, sep, rest = ref.partition(":")
+    if not sep or not rest or not scheme.isidentifier() or len(scheme) < 2 or rest.startswith(("/", "\\")):
+        return None
+    return None if is_resource(ref) or os.path.exists(os.path.expanduser(ref)) else scheme
+
+
 def is_resource(ref: str) -> bool:
     """Whether ``ref`` is a resource reference (e.g. ``builtin:tiny-qwen2``) rather than a path."""
     return _resource(ref) is not None
@@ -129,7 +142,11 @@ def check_files(refs: list[str], key: str) -> list[str]:
         if is_resource(ref):
             continue
         problem = file_problem(ref)
-        if problem == "does not exist":
+        scheme = unknown_scheme(ref) if problem == "does not exist" else None
+        if scheme is not None:
+            problems.append(f"{key}: {ref!r} is a {scheme}: reference, but no installed plugin provides the "
+                            f"resource scheme {scheme!r}{SCHEME_HINT.get(scheme, '')}.")
+        elif problem == "does not exist":
             problems.append(f"{key}: file {ref!r} does not exist. "
                             f"Write one with `rlx data prepare gsm8k --out DIR` or fix the path.")
         elif problem is not None:

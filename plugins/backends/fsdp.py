@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlx import Component, hookimpl
+from rlx import Component, _compat, hookimpl
 from rlx.config import resolve_dtype
 from rlx.context import BuildContext
 from rlx.errors import UserError
@@ -619,3 +619,8 @@ def rlx_train_backends() -> list[Component]:
                           "bf16 compute, fp32 master weights and gradient reduction, DCP checkpoints."),
     ]
 
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "read_dcp_metadata": "rlx.plugins.modeling.dist",
+})

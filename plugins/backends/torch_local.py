@@ -7,7 +7,7 @@ and its registration.
 
 from __future__ import annotations
 
-from rlx import Component, hookimpl
+from rlx import Component, _compat, hookimpl
 from rlx.context import BuildContext
 from rlx.plugins.modeling.checks import CONFIG_PROBLEMS
 from rlx.plugins.modeling.model import settings_of, with_role_settings
@@ -37,3 +37,35 @@ def rlx_train_backends() -> list[Component]:
     return [Component(kind="backend", name="torch", factory=build, config_model=TorchBackendOptions,
                       extra=CONFIG_PROBLEMS,
                       summary="Plain PyTorch on one process (CPU or one GPU); AdamW, grad accumulation.")]
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "CXX_COMPILERS": "rlx.plugins.modeling.compile",
+    "DEFAULT_CHUNK_SIZE": "rlx.records",
+    "LAYOUT_KWARG": "rlx.plugins.modeling.packing",
+    "MODEL_FILE": "rlx.plugins.modeling.worker",
+    "OPTIM_FILE": "rlx.plugins.modeling.worker",
+    "PACKED_SDPA": "rlx.plugins.modeling.packing",
+    "PackedLayout": "rlx.plugins.modeling.packing",
+    "check_attention": "rlx.plugins.modeling.model",
+    "chunked_head": "rlx.plugins.modeling.head",
+    "compile_decoder_layers": "rlx.plugins.modeling.compile",
+    "forward_micro_batch_size": "rlx.plugins.modeling.model",
+    "fused_head_supported": "rlx.plugins.modeling.head",
+    "load_value_model": "rlx.plugins.modeling.model",
+    "lr_lambda": "rlx.plugins.modeling.model",
+    "model_inputs": "rlx.plugins.modeling.packing",
+    "packed_sdpa": "rlx.plugins.modeling.packing",
+    "pick_device": "rlx.plugins.modeling.model",
+    "response_log_probs": "rlx.plugins.modeling.head",
+    "response_values": "rlx.plugins.modeling.head",
+    "restore_scheduler": "rlx.plugins.modeling.model",
+    "rng_file": "rlx.plugins.modeling.model",
+    "supports_packing": "rlx.plugins.modeling.packing",
+    "trained_dtype": "rlx.plugins.modeling.model",
+    "unpack": "rlx.plugins.modeling.packing",
+    "use_packed_sdpa": "rlx.plugins.modeling.packing",
+    "varlen_kernel_usable": "rlx.plugins.modeling.packing",
+    "with_packed_layout": "rlx.plugins.modeling.packing",
+})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from rlx import _compat
 from rlx.errors import UserError
 
 if TYPE_CHECKING:
@@ -287,3 +288,9 @@ class SequenceParallel:
         inputs, keep, counts = self.shard(batch)
         values = model(**inputs, use_cache=False).logits[0, keep]  # (n_r, 1)
         return unpack(self.gather(values, counts)[:, 0], batch["response_mask"].bool())
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "config_problems": "rlx.plugins.modeling.checks:ulysses_problems",
+})

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlx import Component, hookimpl
+from rlx import Component, _compat, hookimpl
 from rlx.context import BuildContext
 from rlx.dispatch import balanced_roles
 from rlx.errors import UserError, describe_exception
@@ -365,3 +365,16 @@ def rlx_launchers() -> list[Component]:
                       summary="Workers on this machine: in this process, or --nproc N processes with "
                       "torch.distributed (gloo on CPU, NCCL on GPU), the rollout engine colocated or in "
                       "launcher.rollout_nproc processes of its own; also under torchrun.")]
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "PROCESS_GROUP_USED": "rlx.plugins.launchers._process",
+    "Phase": "rlx.plugins.launchers._process",
+    "balance": "rlx.dispatch",
+    "dispatch_info": "rlx.dispatch",
+    "gather": "rlx.dispatch",
+    "shard": "rlx.dispatch",
+    "unbalance": "rlx.dispatch",
+    "weights_group": "rlx.plugins.launchers._process",
+})

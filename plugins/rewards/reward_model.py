@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlx import Component, hookimpl
+from rlx import Component, _compat, hookimpl
 from rlx.plugins.modeling.reward_model import RewardModelOptions, RewardModelScorer
 
 if TYPE_CHECKING:
@@ -36,3 +36,9 @@ def rlx_rewards() -> list[Component]:
     return [Component(kind="reward", name="reward_model", factory=build, config_model=RewardModelOptions,
                       summary="A sequence-classification reward model (num_labels=1) with its own chat template; "
                               "batched scoring.")]
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "PromptUnwrapper": "rlx.plugins.modeling.reward_model",
+})

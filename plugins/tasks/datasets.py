@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlx import _compat
 from rlx.errors import UserError, require
 from rlx.run.data import file_problem, missing_columns, os_error_text, role_problem
 
@@ -481,3 +482,10 @@ def prepare_preference(out_dir: str, *, sources: list[str] | None = None, hub_pa
         write_parquet(rows, target)
         reports.append(PreferenceReport(split, target, len(rows), dropped))
     return reports
+
+
+# Names that lived here in rlx 0.1 (issue 26 moved them); kept for one release, with a DeprecationWarning.
+__getattr__ = _compat.moved_attributes(__name__, {
+    "CHAT_ROLES": "rlx.run.data",
+    "columns_present": "rlx.run.data",
+})

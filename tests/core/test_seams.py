@@ -180,3 +180,31 @@ def test_the_loss_gets_the_global_counts_of_its_mini_batch_from_the_shared_step(
     assert [s[1] for s in seen] == [0.7] * len(seen) and len(seen) >= 2  # micro-batches of one row
     assert {s[0] for s in seen} == {LossContext(5.0, 2.0, 16, True)}
     assert step["grad_norm"] == pytest.approx(1.0)  # d/dw of sum(w * mask) / 5 over the micro-batches: 5/5
+
+
+@pytest.mark.parametrize("old,name,new", [
+    ("rlx.plugins.backends.torch_local", "pick_device", "rlx.plugins.modeling.model"),
+    ("rlx.plugins.backends.torch_local", "response_log_probs", "rlx.plugins.modeling.head"),
+    ("rlx.plugins.launchers.local", "shard", "rlx.dispatch"),
+    ("rlx.step", "balanced_order", "rlx.dispatch"),
+    ("rlx.plugins.backends.ulysses", "config_problems", "rlx.plugins.modeling.checks")])
+def test_a_moved_name_keeps_its_old_module_for_one_release(old: str, name: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        got = getattr(importlib.import_module(old), name)
+    assert got.__module__ == new
+    with pytest.raises(AttributeError):
+        importlib.import_module(old).no_such_name  # noqa: B018
+
+
+def test_a_reference_whose_scheme_no_plugin_provides_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """``RLX_DISABLE_PLUGINS=tasks``: builtin: references are not files that do not exist; the message names the
+    scheme and the plugin that provides it."""
+    from rlx.run.data import check_files
+
+    monkeypatch.chdir(tmp_path)
+    assert check_files(["builtin:arith-train"], "data.train_files") == []  # the tasks plugin answers
+    [problem] = check_files(["nosuch:rows"], "data.train_files")
+    assert "no installed plugin provides the resource scheme 'nosuch'" in problem
+    (tmp_path / "c:x.parquet").write_bytes(b"")  # a file whose name has a colon is a path
+    assert check_files(["c:x.parquet"], "data.train_files") == []

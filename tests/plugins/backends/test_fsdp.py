@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_backend_torch import critic_batch, grpo_loss, make_batch
+from test_backend_torch import CTX, TEMPERATURE, critic_batch, grpo_loss, make_batch
 
 from rlx.batch import Batch
 from rlx.dispatch import shard
@@ -104,22 +104,22 @@ def _rank_main(rank: int, world: int, port: int, engine: str, path: str, data: d
                               fsdp_worker(actor_spec(path), engine))
         mine = shard(batch, world)[rank]
         res: dict[str, Any] = {"dp": (actor.dp_rank, actor.dp_size)}
-        lp = ref.compute_log_probs(mine, with_entropy=True)
+        lp = ref.compute_log_probs(mine, with_entropy=True, temperature=TEMPERATURE)
         res["log_probs"], res["entropy"] = lp["log_probs"], lp["entropy"]
         res["values"] = critic.compute_values(mine)["values"]
-        res["actor_metrics"] = actor.update(shard(minibatches(batch), world)[rank], actor_loss())
-        res["critic_metrics"] = critic.update(shard(minibatches(batch), world)[rank], CriticLoss(0.2))
+        res["actor_metrics"] = actor.update(shard(minibatches(batch), world)[rank], actor_loss(), CTX)
+        res["critic_metrics"] = critic.update(shard(minibatches(batch), world)[rank], CriticLoss(0.2), CTX)
         res["actor_weights"] = state(actor.named_weights())
         res["critic_weights"] = state(critic.named_weights())
         actor.save_checkpoint(os.path.join(out, "ckpt2"))
-        res["extra_metrics"] = actor.update(shard([extra], world)[rank], actor_loss())
+        res["extra_metrics"] = actor.update(shard([extra], world)[rank], actor_loss(), CTX)
         res["extra_weights"] = state(actor.named_weights())
         actor.save_pretrained(os.path.join(out, "hf"), load_tokenizer(path, False))
         # a checkpoint written by one rank, loaded into two
         resumed = fsdp_worker(actor_spec(path), engine)
         resumed.load_checkpoint(data["ckpt1"])
         res["rng_after_load"] = torch.get_rng_state()
-        res["from_one_metrics"] = resumed.update(shard([extra], world)[rank], actor_loss())
+        res["from_one_metrics"] = resumed.update(shard([extra], world)[rank], actor_loss(), CTX)
         res["from_one_weights"] = state(resumed.named_weights())
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -134,20 +134,20 @@ def torch_reference(tiny_model_path: str) -> dict[str, Any]:
     batch = critic_batch()
     # old log-probs of the starting policy: the first epoch is on-policy, the second clips some tokens
     batch.tensors["old_log_probs"] = TorchWorker(ref_spec(path), TorchBackendOptions(), "cpu").compute_log_probs(
-        batch)["log_probs"]
+        batch, temperature=TEMPERATURE)["log_probs"]
     extra = make_batch(seed=5)
     ref = TorchWorker(ref_spec(path), TorchBackendOptions(), "cpu")
     critic = TorchWorker(critic_spec(path), TorchBackendOptions(), "cpu")
     actor = TorchWorker(actor_spec(path), TorchBackendOptions(), "cpu")
     res: dict[str, Any] = {"batch": batch, "extra": extra}
-    lp = ref.compute_log_probs(batch, with_entropy=True)
+    lp = ref.compute_log_probs(batch, with_entropy=True, temperature=TEMPERATURE)
     res["log_probs"], res["entropy"] = lp["log_probs"], lp["entropy"]
     res["values"] = critic.compute_values(batch)["values"]
-    res["actor_metrics"] = actor.update(minibatches(batch), actor_loss())
-    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2))
+    res["actor_metrics"] = actor.update(minibatches(batch), actor_loss(), CTX)
+    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2), CTX)
     res["actor_weights"] = state(actor.model.state_dict().items())
     res["critic_weights"] = state(critic.model.state_dict().items())
-    res["extra_metrics"] = actor.update([extra], actor_loss())
+    res["extra_metrics"] = actor.update([extra], actor_loss(), CTX)
     res["extra_weights"] = state(actor.model.state_dict().items())
     return res
 
@@ -166,15 +166,15 @@ def runs(request: pytest.FixtureRequest, tiny_model_path: str, torch_reference: 
     try:
         one = fsdp_worker(actor_spec(path), engine)  # no group yet: the backend makes a one-rank one
         assert dist.get_world_size() == 1 and (one.dp_rank, one.dp_size) == (0, 1)
-        single: dict[str, Any] = {"actor_metrics": one.update(minibatches(batch), actor_loss())}
+        single: dict[str, Any] = {"actor_metrics": one.update(minibatches(batch), actor_loss(), CTX)}
         single["actor_weights"] = state(one.named_weights())
         single["buckets"] = [[(n, t.clone()) for n, t in b] for b in one.weight_buckets(20_000)]
         one.save_checkpoint(str(out / "ckpt1"))
-        single["extra_metrics"] = one.update([extra], actor_loss())
+        single["extra_metrics"] = one.update([extra], actor_loss(), CTX)
         del one
         ckpt_spec = dataclasses.replace(actor_spec(path), gradient_checkpointing=True)
         recompute = fsdp_worker(ckpt_spec, engine)
-        single["checkpointed_metrics"] = recompute.update(minibatches(batch), actor_loss())
+        single["checkpointed_metrics"] = recompute.update(minibatches(batch), actor_loss(), CTX)
         single["checkpointed_weights"] = state(recompute.named_weights())
         single["checkpointing_on"] = bool(recompute.hf_class.is_gradient_checkpointing.fget(recompute.model))
         del recompute
@@ -198,7 +198,7 @@ def runs(request: pytest.FixtureRequest, tiny_model_path: str, torch_reference: 
         # a checkpoint written by two ranks, loaded into one
         resumed = fsdp_worker(actor_spec(path), engine)
         resumed.load_checkpoint(str(out / "ckpt2"))
-        single["from_two_metrics"] = resumed.update([extra], actor_loss())
+        single["from_two_metrics"] = resumed.update([extra], actor_loss(), CTX)
         single["from_two_weights"] = state(resumed.named_weights())
     finally:
         if dist.is_initialized():

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_backend_torch import critic_batch, make_batch
+from test_backend_torch import CTX, TEMPERATURE, critic_batch, make_batch
 from test_fsdp import SCHEDULE, actor_loss, free_port, fsdp_worker, minibatches, ref_spec, state
 
 from rlx.dispatch import shard
@@ -38,6 +38,7 @@ pytestmark = pytest.mark.multiproc
 
 WORLD = 2
 ATOL, RTOL = 1e-6, 1e-5
+CRITIC_ATOL = 3e-6
 LOG_PROB_ATOL = 1e-5
 # Metrics of data-parallel runs: near zero (the KL of the first, on-policy step) they are rounding noise,
 # 1e-7 absolute.
@@ -78,34 +79,34 @@ def _rank_main(rank: int, world: int, port: int, path: str, data: dict[str, Any]
         mine = shard(batch, world)[rank]
         actor = fsdp2(actor_spec(path))
         res: dict[str, Any] = {"rows": shard(torch.arange(len(batch)).tolist(), world)[rank]}
-        res["actor_metrics"] = actor.update(shard(minibatches(batch), world)[rank], actor_loss())
+        res["actor_metrics"] = actor.update(shard(minibatches(batch), world)[rank], actor_loss(), CTX)
         res["actor_weights"] = state(actor.named_weights())
-        res["ref_log_probs"] = actor.compute_ref_log_probs(mine)["log_probs"]
-        res["policy_log_probs"] = actor.compute_log_probs(mine)["log_probs"]
+        res["ref_log_probs"] = actor.compute_ref_log_probs(mine, temperature=TEMPERATURE)["log_probs"]
+        res["policy_log_probs"] = actor.compute_log_probs(mine, temperature=TEMPERATURE)["log_probs"]
         # a plain frozen base, scoring in the actor's micro-batches (other row groupings round differently)
         base = fsdp2(RoleSpec(role="ref", model_path=path, trainable=False, micro_batch_size=2))
-        res["base_log_probs"] = base.compute_log_probs(mine)["log_probs"]
+        res["base_log_probs"] = base.compute_log_probs(mine, temperature=TEMPERATURE)["log_probs"]
         del base
         actor.save_checkpoint(os.path.join(out, "ckpt"))
-        res["extra_metrics"] = actor.update(shard([extra], world)[rank], actor_loss())
+        res["extra_metrics"] = actor.update(shard([extra], world)[rank], actor_loss(), CTX)
         res["extra_weights"] = state(actor.named_weights())
         actor.save_pretrained(os.path.join(out, "merged"))
         actor.save_adapter(os.path.join(out, "adapter"))
         del actor
         resumed = fsdp2(actor_spec(path))
         resumed.load_checkpoint(os.path.join(out, "ckpt"))
-        res["resumed_metrics"] = resumed.update(shard([extra], world)[rank], actor_loss())
+        res["resumed_metrics"] = resumed.update(shard([extra], world)[rank], actor_loss(), CTX)
         res["resumed_weights"] = state(resumed.named_weights())
         del resumed
         critic = fsdp2(critic_spec(path))
-        res["critic_metrics"] = critic.update(shard(minibatches(batch), world)[rank], CriticLoss(0.2))
+        res["critic_metrics"] = critic.update(shard(minibatches(batch), world)[rank], CriticLoss(0.2), CTX)
         res["critic_weights"] = state(critic.named_weights())
         del critic
         sp = fsdp2(actor_spec(path, lr=SP_LR, ulysses_sequence_parallel_size=2))
         res["sp_dp"] = (sp.dp_rank, sp.dp_size)
-        res["sp_metrics"] = sp.update(minibatches(batch), actor_loss())
+        res["sp_metrics"] = sp.update(minibatches(batch), actor_loss(), CTX)
         res["sp_weights"] = state(sp.named_weights())
-        res["sp_ref_log_probs"] = sp.compute_ref_log_probs(batch)["log_probs"]
+        res["sp_ref_log_probs"] = sp.compute_ref_log_probs(batch, temperature=TEMPERATURE)["log_probs"]
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -118,20 +119,21 @@ def reference(tiny_model_path: str) -> dict[str, Any]:
     path = tiny_model_path
     batch = critic_batch()
     base = TorchWorker(ref_spec(path), TorchBackendOptions(), "cpu")
-    batch.tensors["old_log_probs"] = base.compute_log_probs(batch)["log_probs"]
+    batch.tensors["old_log_probs"] = base.compute_log_probs(batch, temperature=TEMPERATURE)["log_probs"]
     extra = make_batch(seed=5)
-    res: dict[str, Any] = {"batch": batch, "extra": extra, "base_log_probs": base.compute_log_probs(batch)["log_probs"]}
+    base_log_probs = base.compute_log_probs(batch, temperature=TEMPERATURE)["log_probs"]
+    res: dict[str, Any] = {"batch": batch, "extra": extra, "base_log_probs": base_log_probs}
     actor = TorchWorker(actor_spec(path), TorchBackendOptions(), "cpu")
-    res["actor_metrics"] = actor.update(minibatches(batch), actor_loss())
+    res["actor_metrics"] = actor.update(minibatches(batch), actor_loss(), CTX)
     res["actor_weights"] = state(actor.named_weights())
-    res["extra_metrics"] = actor.update([extra], actor_loss())
+    res["extra_metrics"] = actor.update([extra], actor_loss(), CTX)
     res["extra_weights"] = state(actor.named_weights())
-    res["extra_policy_log_probs"] = actor.compute_log_probs(batch)["log_probs"]
+    res["extra_policy_log_probs"] = actor.compute_log_probs(batch, temperature=TEMPERATURE)["log_probs"]
     slow = TorchWorker(actor_spec(path, lr=SP_LR), TorchBackendOptions(), "cpu")
-    res["sp_metrics"] = slow.update(minibatches(batch), actor_loss())
+    res["sp_metrics"] = slow.update(minibatches(batch), actor_loss(), CTX)
     res["sp_weights"] = state(slow.named_weights())
     critic = TorchWorker(critic_spec(path), TorchBackendOptions(), "cpu")
-    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2))
+    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2), CTX)
     res["critic_weights"] = state(critic.named_weights())
     return res
 
@@ -186,7 +188,10 @@ def test_merged_weights_equal_the_torch_backend(ranks: dict[str, Any], reference
         assert_metrics(res["actor_metrics"], reference["actor_metrics"], f"actor, rank {r}")
         assert_weights(res["actor_weights"], reference["actor_weights"], f"actor, rank {r}")
         assert_metrics(res["critic_metrics"], reference["critic_metrics"], f"critic, rank {r}")
-        assert_weights(res["critic_weights"], reference["critic_weights"], f"critic, rank {r}")
+        # The critic is trained in full (no adapter): AdamW's first step turns the ranks' other summation order
+        # into up to about 1e-6 on a few entries whose gradient is near zero (measured 1.1e-6 on one of 4,096
+        # on this 2-core machine; CI's CPU stayed under 1e-6), hence CRITIC_ATOL.
+        assert_weights(res["critic_weights"], reference["critic_weights"], f"critic, rank {r}", atol=CRITIC_ATOL)
 
 
 def test_reference_is_the_base_with_the_adapter_off(ranks: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -263,7 +268,7 @@ def test_bf16_adapters_and_a_frozen_base(group: Any, tiny_model_path: str) -> No
     assert all(isinstance(p, DTensor) for p in params.values())
     assert {params[n].dtype for n in trained} == {torch.bfloat16}
     before = {n: p.full_tensor().clone() for n, p in params.items()}
-    worker.train_step(make_batch(), actor_loss())
+    worker.train_step(make_batch(), actor_loss(), CTX)
     assert worker.optimizer is not None
     assert len(worker.optimizer.state) == len(trained)
     assert {s["exp_avg"].dtype for s in worker.optimizer.state.values()} == {torch.bfloat16}
@@ -301,6 +306,6 @@ def test_gradient_checkpointing_with_lora(group: Any, tiny_model_path: str, refe
     spec = dataclasses.replace(actor_spec(tiny_model_path), gradient_checkpointing=True)
     worker = fsdp2(spec)
     assert worker.hf_model.is_gradient_checkpointing
-    metrics = worker.update(minibatches(reference["batch"]), actor_loss())
+    metrics = worker.update(minibatches(reference["batch"]), actor_loss(), CTX)
     assert_metrics(metrics, reference["actor_metrics"], "checkpointing, 1 rank")
     assert_weights(state(worker.named_weights()), reference["actor_weights"], "checkpointing, 1 rank")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_backend_torch import critic_batch, grpo_loss
+from test_backend_torch import CTX, TEMPERATURE, critic_batch, grpo_loss
 from test_fsdp import free_port, state
 from test_fsdp import fsdp_worker as make_fsdp_worker
 
@@ -93,20 +93,21 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
         info = ref.dispatch_info()
         res["dispatch"] = (info.dp_rank, info.dp_size, info.collect)
         mine = shard(batch, info.dp_size)[info.dp_rank]
-        res["log_probs"] = dict(ref.compute_log_probs(mine, with_entropy=True).tensors)
+        res["log_probs"] = dict(ref.compute_log_probs(mine, with_entropy=True, temperature=TEMPERATURE).tensors)
         del ref
         plain = fsdp_worker(ref_spec(path, **SP, **PLAIN_HEAD))
-        res["plain_log_probs"] = dict(plain.compute_log_probs(mine, with_entropy=True).tensors)
+        res["plain_log_probs"] = dict(plain.compute_log_probs(mine, with_entropy=True, temperature=TEMPERATURE).tensors)
         del plain
         # One row per pass: rows 1 and 4 (9 prompt tokens, 1 and 2 response tokens) put every response
         # position in rank 1's half, so rank 0 contributes nothing to the gather.
         single = fsdp_worker(dataclasses.replace(ref_spec(path, **SP), micro_batch_size=1))
-        res["single_row_log_probs"] = dict(single.compute_log_probs(mine, with_entropy=True).tensors)
+        res["single_row_log_probs"] = dict(single.compute_log_probs(mine, with_entropy=True,
+                                                                    temperature=TEMPERATURE).tensors)
         del single
         critic = fsdp_worker(critic_spec(path, **SP))
         res["values"] = critic.compute_values(mine)["values"]
         mbs = shard(minibatches(batch), info.dp_size)[info.dp_rank]
-        res["critic_metrics"] = critic.update(mbs, CriticLoss(0.2))
+        res["critic_metrics"] = critic.update(mbs, CriticLoss(0.2), CTX)
         res["critic_weights"] = state(critic.named_weights())
         del critic
         try:
@@ -127,8 +128,9 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
                 ("single_row", dataclasses.replace(actor_spec(path, **SP), micro_batch_size=1), "fsdp2")):
             actor = fsdp_worker(spec, engine)
             if name == "dynamic":
-                res["dynamic_log_probs"] = dict(actor.compute_log_probs(mine, with_entropy=True).tensors)
-            res[f"{name}_metrics"] = actor.update(mbs, grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+                res["dynamic_log_probs"] = dict(actor.compute_log_probs(mine, with_entropy=True,
+                                                                        temperature=TEMPERATURE).tensors)
+            res[f"{name}_metrics"] = actor.update(mbs, grpo_loss(loss_agg_mode="seq-mean-token-sum"), CTX)
             res[f"{name}_weights"] = state(actor.named_weights())
             del actor
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -147,9 +149,9 @@ def _grid_rank_main(rank: int, world: int, port: int, path: str, batch: Batch, o
         info = actor.dispatch_info()
         res: dict[str, Any] = {"dispatch": (info.dp_rank, info.dp_size, info.collect)}
         res["log_probs"] = dict(actor.compute_log_probs(shard(batch, info.dp_size)[info.dp_rank],
-                                                        with_entropy=True).tensors)
+                                                        with_entropy=True, temperature=TEMPERATURE).tensors)
         res["actor_metrics"] = actor.update(shard(minibatches(batch), info.dp_size)[info.dp_rank],
-                                            grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+                                            grpo_loss(loss_agg_mode="seq-mean-token-sum"), CTX)
         res["actor_weights"] = state(actor.named_weights())
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -179,21 +181,21 @@ def reference(tiny_model_path: str) -> dict[str, Any]:
     path = tiny_model_path
     batch = critic_batch()
     batch.tensors["old_log_probs"] = TorchWorker(ref_spec(path), TorchBackendOptions(), "cpu").compute_log_probs(
-        batch)["log_probs"]
+        batch, temperature=TEMPERATURE)["log_probs"]
     res: dict[str, Any] = {"batch": batch}
     res["log_probs"] = dict(TorchWorker(ref_spec(path), TorchBackendOptions(), "cpu").compute_log_probs(
-        batch, with_entropy=True).tensors)
+        batch, with_entropy=True, temperature=TEMPERATURE).tensors)
     res["plain_log_probs"] = dict(TorchWorker(ref_spec(path, **PLAIN_HEAD), TorchBackendOptions(), "cpu")
-                                  .compute_log_probs(batch, with_entropy=True).tensors)
+                                  .compute_log_probs(batch, with_entropy=True, temperature=TEMPERATURE).tensors)
     critic = TorchWorker(critic_spec(path), TorchBackendOptions(), "cpu")
     res["values"] = critic.compute_values(batch)["values"]
-    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2))
+    res["critic_metrics"] = critic.update(minibatches(batch), CriticLoss(0.2), CTX)
     res["critic_weights"] = state(critic.model.state_dict().items())
     actor = TorchWorker(actor_spec(path), TorchBackendOptions(), "cpu")
-    res["actor_metrics"] = actor.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+    res["actor_metrics"] = actor.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"), CTX)
     res["actor_weights"] = state(actor.model.state_dict().items())
     single = TorchWorker(dataclasses.replace(actor_spec(path), micro_batch_size=1), TorchBackendOptions(), "cpu")
-    res["single_row_metrics"] = single.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"))
+    res["single_row_metrics"] = single.update(minibatches(batch), grpo_loss(loss_agg_mode="seq-mean-token-sum"), CTX)
     res["single_row_weights"] = state(single.model.state_dict().items())
     return res
 
