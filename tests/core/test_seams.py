@@ -130,56 +130,32 @@ def test_a_batch_carries_columns_only() -> None:
     assert [f.name for f in dataclasses.fields(Batch)] == ["tensors", "non_tensors"]
 
 
-def test_the_loss_gets_the_global_counts_of_its_mini_batch_from_the_shared_step() -> None:
-    """run_update hands each micro-batch's loss one LossContext per mini-batch: the mini-batch's response tokens
-    and sequences (here 2 + 3 + 0 tokens in 2 sequences with tokens, the third row empty), the rollouts'
-    max_response_length and old_from_update from the UpdateContext; the forward runs at its temperature."""
+def test_the_loss_gets_the_global_counts_of_its_mini_batch_from_the_shared_step(tiny_model_path: str) -> None:
+    """The torch worker's update (rlx.step.run_update) hands each micro-batch's loss one LossContext per
+    mini-batch: the mini-batch's response tokens and sequences, and max_response_length and old_from_update
+    from the UpdateContext; its forward runs at the UpdateContext's temperature (the log-probs the loss sees
+    are the worker's own at that temperature)."""
     import torch
+    from test_backend_torch import make_batch, make_worker
 
-    from rlx.batch import Batch
     from rlx.records import LossContext, UpdateContext
-    from rlx.step import run_update
 
-    seen: list[tuple[LossContext, float]] = []
+    worker = make_worker(tiny_model_path, micro_batch_size=3)
+    mini = make_batch(rows=8)
+    mask = mini["response_mask"]
+    want_lp = worker.compute_log_probs(mini, temperature=0.7)["log_probs"]
+    seen: list[tuple[LossContext, torch.Tensor]] = []
 
-    class Engine:  # the StepEngine primitives of one rank, on a one-parameter model
-        dp_size = 1
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: object, ctx: LossContext) -> tuple[torch.Tensor, dict]:
+        seen.append((ctx, outputs["log_probs"].detach()))
+        return outputs["log_probs"].sum() * 0.0, {}
 
-        def __init__(self) -> None:
-            self.w = torch.nn.Parameter(torch.ones(()))
-
-        def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-            return list(values)
-
-        def to_device(self, mb: Batch) -> Batch:
-            return mb
-
-        def forward(self, mb: Batch, *, grad: bool, entropy_grad: bool = True,
-                    temperature: float = 1.0) -> dict[str, torch.Tensor]:
-            seen.append((None, temperature))  # type: ignore[arg-type]
-            lp = self.w * mb["response_mask"].float()
-            return {"log_probs": lp, "entropy": torch.zeros_like(lp)}
-
-        def backward(self, loss: torch.Tensor) -> None:
-            loss.backward()
-
-        def zero_grad(self) -> None:
-            self.w.grad = None
-
-        def optimizer_step(self) -> tuple[float, bool, float]:
-            return float(self.w.grad), True, 0.0
-
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: Batch, ctx: LossContext) -> tuple[torch.Tensor, dict]:
-        seen[-1] = (ctx, seen[-1][1])
-        return outputs["log_probs"].sum() / ctx.global_tokens, {}
-
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
-    mini = Batch({"response_mask": mask, "prompt_mask": torch.ones(3, 1), "prompts": torch.zeros(3, 1)})
-    [step] = run_update(Engine(), [mini], loss_fn, micro_size=1,
-                        context=UpdateContext(temperature=0.7, max_response_length=16, old_from_update=True))
-    assert [s[1] for s in seen] == [0.7] * len(seen) and len(seen) >= 2  # micro-batches of one row
-    assert {s[0] for s in seen} == {LossContext(5.0, 2.0, 16, True)}
-    assert step["grad_norm"] == pytest.approx(1.0)  # d/dw of sum(w * mask) / 5 over the micro-batches: 5/5
+    worker.update([mini], loss_fn, UpdateContext(temperature=0.7, max_response_length=16, old_from_update=True))
+    assert len(seen) == 3  # 8 rows in micro-batches of 3
+    assert {ctx for ctx, _ in seen} == {LossContext(float(mask.sum()), float((mask.sum(-1) > 0).sum()), 16, True)}
+    got = torch.cat([lp for _, lp in seen])
+    torch.testing.assert_close(got * mask[:, : got.shape[1]], want_lp[:, : got.shape[1]] * mask[:, : got.shape[1]],
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("old,name,new", [
