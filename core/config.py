@@ -33,6 +33,7 @@ MAX_BATCH = 2**20  # batch and micro-batch sizes, reward.chunk_size, trainer.log
 MAX_TOKEN_BUDGET = 2**31  # tokens per micro-batch (dynamic batch size) and per head chunk
 MAX_SAMPLES = 2**16  # rollout.n, rollout.val_n
 MAX_STEPS = 10**9  # steps, epochs, frequencies, warm-up steps, checkpoints kept
+MAX_STALENESS = 16  # trainer.max_staleness: policy versions a rollout may lag behind the trainer
 MAX_PPO_EPOCHS = 1024
 MAX_LR = 1.0  # Adam moves each weight by about lr per step: above 1 a single step destroys the model
 MAX_WEIGHT_DECAY = 1.0  # AdamW multiplies the weights by (1 - lr * weight_decay) each step
@@ -278,6 +279,11 @@ class RolloutConfig(ComponentSection):
                                     "(default: top_p).")
     val_top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="Top-k during validation (-1 = off; "
                                   "default: top_k).")
+    partial: bool = Field(False, description="Partial rollouts (with trainer.max_staleness >= 2): at each step "
+                          "boundary the generation under way stops where it is; finished groups are trained on, "
+                          "unfinished responses continue in the next rollout with the newer weights (their tokens "
+                          "keep the version that made them), so one long response never stalls a step. An engine "
+                          "that can be interrupted is needed (hf).")
 
     @field_validator("temperature", "val_temperature")
     @classmethod
@@ -325,6 +331,11 @@ class TrainerConfig(_Section):
     experiment: str = Field("run", description="Experiment name (loggers; a folder name in output_dir). "
                             "{algorithm} in it is replaced by algorithm.name (the tiny preset: tiny-{algorithm}).")
     seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
+    max_staleness: int = Field(
+        0, ge=0, le=MAX_STALENESS, description="Asynchronous RL: how many policy versions a step's rollouts may lag "
+        "behind the policy that trains on them. 0: the synchronous loop (generate, then train). 1: one-step "
+        "off-policy, the rollouts of step k+1 are generated while step k trains. K > 1: weights reach the engine "
+        f"only when the lag would exceed K (at most {MAX_STALENESS}). docs/rollout.md has the schedule.")
     resume: Literal["auto", "never", "must"] = Field(
         "auto", description="auto: continue from the last complete checkpoint in output_dir if any.")
     max_checkpoints_to_keep: int | None = Field(None, gt=0, le=MAX_STEPS, description="Delete older checkpoints.")
@@ -415,6 +426,11 @@ class RLXConfig(_Section):
                     f"{section}.{name}: {budget} is smaller than the longest sequence, data.max_prompt_length + "
                     f"data.max_response_length = {longest}: raise it to at least {longest}, or set "
                     f"{section}.use_dynamic_bsz=false.")
+        if self.rollout.partial and self.trainer.max_staleness < 2:
+            problems.append(
+                f"rollout.partial: a response interrupted at a step boundary is trained one step later than it "
+                f"started, so its first tokens are two policy versions old, which needs trainer.max_staleness >= 2 "
+                f"(it is {self.trainer.max_staleness}). Set trainer.max_staleness=2, or rollout.partial=false.")
         if problems:
             raise ValueError("; ".join(problems))
         return self

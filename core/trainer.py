@@ -29,6 +29,7 @@ import yaml
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError, describe_exception
+from rlx.overlap import RolloutAhead, Rollouts
 from rlx.protocols import RewardScorer, RoleSpec, RolloutEngine, RunInfo, SamplingParams, TrainWorker, needs_of
 from rlx.records import UpdateContext
 from rlx.registry import PluginManager, call_factory, describe_component
@@ -40,6 +41,27 @@ from rlx.run.models import check_model_folder, load_tokenizer
 from rlx.run.reward_worker import RewardWorker
 from rlx.step import role_settings
 from rlx.validate import Resolved
+
+ROLLOUTS_FILE = "rollouts.pt"  # asynchronous RL: rollouts generated before the checkpoint, not yet trained on
+
+
+def save_rollouts(path: Path, rollouts: Rollouts) -> None:
+    """Rollouts not yet trained on, as tensors and plain values (read back without running code)."""
+    batch = rollouts.batch
+    try:
+        torch.save({"tensors": batch.tensors, "non_tensors": batch.non_tensors, "metrics": rollouts.metrics,
+                    "times": rollouts.times, "version": rollouts.version}, path)
+        checkpoint.torch_load(path)  # what a resume reads: only tensors and plain containers
+    except UserError:
+        raise UserError("The rollouts generated ahead of this checkpoint hold data values that a checkpoint cannot "
+                        "store as plain data (the data rows' fields must be numbers, strings, lists and dicts).",
+                        "Convert those columns of the data file, or train with trainer.max_staleness=0.") from None
+
+
+def load_rollouts(path: Path) -> Rollouts:
+    saved = checkpoint.torch_load(path)
+    return Rollouts(Batch(saved["tensors"], saved["non_tensors"]), saved["metrics"], saved["times"],
+                    int(saved["version"]))
 
 
 class Timer:
@@ -144,6 +166,15 @@ class Trainer:
         self.step = 0
         self.steps_done = 0  # the last step trained and logged (self.step is the one under way)
         self.saved_step: int | None = None  # the step of the newest complete checkpoint of this run
+        # Asynchronous RL (trainer.max_staleness >= 1, rlx.overlap): the policy version is the number of actor
+        # updates so far; the engine's is the version of the weights it holds.
+        self.max_staleness = cfg.trainer.max_staleness
+        self.version = self.engine_version = 0
+        self.ahead: RolloutAhead | None = None
+        self.resumed_rollouts: Rollouts | None = None  # rollouts a checkpoint of an asynchronous run holds
+        if self.max_staleness:
+            self.ahead = RolloutAhead(concurrent=bool(getattr(self.rollout, "overlaps_training", False)))
+            self._check_async()
 
     # -- set-up -------------------------------------------------------------------------------
     def _build(self, kind: str, name: str, options_key: str) -> Any:
@@ -218,6 +249,7 @@ class Trainer:
             if self.resume_from is not None and self.step >= self.total_steps:
                 return metrics  # nothing to do, said by _load; the run's record and model are left as they are
             self.launcher.transfer_weights(self.actor, self.rollout)
+            self.engine_version = self.version
             if self.resume_from is None or not (self.run_dir / "config.yaml").is_file():
                 # A run's record is written once, by the run that made it; a resume leaves it as it is.
                 write_private(self.run_dir / "config.yaml", yaml.safe_dump(self.config_dict, sort_keys=False))
@@ -231,7 +263,13 @@ class Trainer:
             self.steps_done = self.step
             while self.step < self.total_steps:
                 self.step += 1
-                metrics = self.train_step(self._next_examples())
+                if self.ahead is not None:
+                    metrics = self.async_step()
+                elif self.resumed_rollouts is not None:  # saved by an asynchronous run: trained on first
+                    rollouts, self.resumed_rollouts = self.resumed_rollouts, None
+                    metrics = self._train_on(rollouts.batch, rollouts.metrics, Timer(), time.perf_counter())
+                else:
+                    metrics = self.train_step(self._next_examples())
                 t = cfg.trainer
                 if self.val_set is not None and t.test_freq > 0 and (
                         self.step % t.test_freq == 0 or self.step == self.total_steps):
@@ -266,12 +304,109 @@ class Trainer:
         raise RuntimeError("the prompt loader yields no batch")
 
     def train_step(self, examples: list[Any]) -> dict[str, float]:
-        cfg, timer = self.cfg, Timer()
+        """One synchronous step (``trainer.max_staleness=0``): generate, then train, then the engine takes
+        the new weights."""
+        timer = Timer()
         step_start = time.perf_counter()
         batch, rollout_metrics = self._rollout(examples, timer)
+        if len(batch):
+            batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        return self._train_on(batch, rollout_metrics, timer, step_start)
+
+    def async_step(self) -> dict[str, float]:
+        """One step of asynchronous RL (``trainer.max_staleness=K >= 1``, ``rlx.overlap``).
+
+        The rollouts this step trains on were generated while the previous step trained (the first step's are
+        generated now). Once they are here the engine is idle: it takes the newest weights if the next step's
+        rollouts would otherwise lag more than K versions behind the policy that trains on them, and starts
+        generating them; then this step trains, beside that generation.
+        """
+        assert self.ahead is not None
+        timer = Timer()
+        step_start = time.perf_counter()
+        if not self.ahead.in_flight and self.ahead.ready is None:
+            self._launch_rollout()  # the first step, and the first after a resume without pending rollouts
+        rollouts, waited = self.ahead.take()
+        assert rollouts is not None
+        timer.times["timing/wait_rollout"] = waited
+        for key, seconds in rollouts.times.items():
+            timer.times[key] = timer.times.get(key, 0.0) + seconds
+        idle, sync_metrics = 0.0, {}
+        if self.step < self.total_steps:
+            trains_actor = self.critic is None or self.step > self.cfg.critic.warmup_steps
+            if self.version + int(trains_actor) - self.engine_version > self.max_staleness:
+                with timer("weight_sync"):
+                    sync_metrics = self._push_weights()
+            idle = self._launch_rollout()
+        train_start = time.perf_counter()
+        metrics = self._train_on(rollouts.batch, rollouts.metrics, timer, step_start)
+        train_end = time.perf_counter()
+        metrics.update(sync_metrics)
+        seconds = max(metrics.get("timing/step", train_end - step_start), 1e-9)
+        overlap = self.ahead.overlap(train_start, train_end) if self.step < self.total_steps else 0.0
+        metrics.update({"timing/overlap": overlap, "timing/rollout_idle": idle,
+                        "async/trainer_wait_share": waited / seconds, "async/rollout_wait_share": idle / seconds,
+                        "async/engine_version": float(self.engine_version)})
+        return metrics
+
+    def _launch_rollout(self) -> float:
+        """Start generating the next step's rollouts with the weights the engine holds now."""
+        assert self.ahead is not None
+        version = self.engine_version
+        return self.ahead.launch(partial(self._produce, version))
+
+    def _produce(self, version: int) -> Rollouts:
+        """The job of :class:`rlx.overlap.RolloutAhead`: the next prompts, generated and scored."""
+        timer = Timer()
+        start = time.perf_counter()
+        batch, metrics = self._rollout(self._next_examples(), timer)
+        if len(batch):
+            batch.tensors["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        return Rollouts(batch, metrics, timer.times, version, start, time.perf_counter())
+
+    def _push_weights(self) -> dict[str, float]:
+        """The actor's weights to the idle engine (asynchronous RL)."""
+        metrics = dict(self.launcher.transfer_weights(self.actor, self.rollout))
+        self.engine_version = self.version
+        return metrics
+
+    def _settle_rollouts(self, push: bool) -> None:
+        """Before validating or saving in asynchronous RL: the generation under way ends (its rollouts wait to
+        be trained on) and, with ``push``, the engine takes the newest weights (validation scores the policy
+        of this step, as in the synchronous loop)."""
+        if self.ahead is None:
+            return
+        self.ahead.wait()
+        if push and self.engine_version != self.version:
+            self._push_weights()
+
+    def _check_async(self) -> None:
+        """What asynchronous RL does not combine with, said before anything runs."""
+        problems = []
+        if self.needs.filter_groups and self.cfg.rollout.partial:
+            problems.append("rollout.partial: dynamic sampling (algorithm.filter_groups) draws more prompts until "
+                            "enough groups differ, which an interrupted rollout cannot; set one of them off.")
+        if self.needs.greedy_baseline and self.cfg.rollout.partial:
+            problems.append(f"rollout.partial: algorithm {self.cfg.algorithm.name!r} scores a greedy response per "
+                            "prompt as its baseline, which an interrupted rollout does not make; set "
+                            "rollout.partial=false.")
+        if problems:
+            raise ConfigError(problems)
+        if not self.ahead or self.ahead.concurrent:
+            return
+        print(f"Note: trainer.max_staleness={self.max_staleness}: the rollout engine shares processes with the "
+              "trained models (launcher.rollout_nproc=0 with several processes), so the next step's rollouts are "
+              "generated before this step trains, not beside it: the same staleness, no overlap. Give the engine "
+              "processes of its own (launcher.rollout_nproc=K) for the overlap.", file=sys.stderr)
+
+    def _train_on(self, batch: Batch, rollout_metrics: dict[str, float], timer: Timer,
+                  step_start: float) -> dict[str, float]:
+        cfg = self.cfg
         if not len(batch):  # dynamic sampling found nothing to train on within its limit
             return {**rollout_metrics, **timer.times, "timing/step": time.perf_counter() - step_start}
-        self._phase("train", timer)
+        staleness = (self.version - batch["policy_version"]).float()
+        if self.ahead is None:
+            self._phase("train", timer)  # asynchronous RL: the engine generates beside training, awake
         mini_size = cfg.actor.ppo_mini_batch_size * self.sampling.n
         # The log-probs are taken at the temperature the responses were sampled at.
         temperature = self.sampling.log_prob_temperature
@@ -302,21 +437,26 @@ class Trainer:
                 ppo_update(self.critic, batch, self.algorithm.value_loss_fn(), epochs=cfg.critic.ppo_epochs or
                            cfg.actor.ppo_epochs, mini_size=mini_size, shuffle=cfg.actor.shuffle,
                            seed=cfg.trainer.seed + self.step, prefix="critic", metrics=update, context=context)
+        sync_metrics = {}
         if self.critic is None or self.step > cfg.critic.warmup_steps:  # critic warm-up: the actor waits
             with timer("update_actor"):
                 ppo_update(self.actor, batch, self.algorithm.policy_loss_fn(), epochs=cfg.actor.ppo_epochs,
                            mini_size=mini_size, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed + self.step,
                            prefix="actor", metrics=update, context=context)
-            self._phase("generate", timer)
-            with timer("weight_sync"):
-                sync_metrics = dict(self.launcher.transfer_weights(self.actor, self.rollout))
-        else:
-            sync_metrics = {}
+            self.version += 1
+            if self.ahead is None:  # asynchronous RL: the engine takes them when it is idle (async_step)
+                self._phase("generate", timer)
+                with timer("weight_sync"):
+                    sync_metrics = dict(self.launcher.transfer_weights(self.actor, self.rollout))
+                self.engine_version = self.version
         metrics = self._step_metrics(batch, timer, time.perf_counter() - step_start)
         metrics.update(sync_metrics)
         metrics.update(rollout_metrics)
         metrics.update({k: sum(v) / len(v) for k, v in update.items()})
         metrics.update(self.algorithm.metrics(batch))
+        if self.ahead is not None:
+            metrics.update({"async/staleness/mean": float(staleness.mean()),
+                            "async/staleness/max": float(staleness.max()), "async/policy_version": float(self.version)})
         self._log_samples(batch)
         return metrics
 
@@ -526,6 +666,7 @@ class Trainer:
         # Per data source and overall: acc, mean@n (= reward/mean), pass@k, maj@n (rlx.run.evaluation).
         from rlx.run.evaluation import evaluate, flatten, summarize
 
+        self._settle_rollouts(push=True)  # asynchronous RL: the engine is idle and holds this step's policy
         phase = self._wake_rollout()  # after a step without an update the engine still sleeps
         records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),
                            score=partial(self.reward.call, "score"), params=params,
@@ -534,12 +675,20 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
+        # Asynchronous RL: the generation under way ends first (the loader's position and the random state then
+        # follow its prompts and draws), its rollouts are saved with the checkpoint, and the engine takes this
+        # step's weights, which is what a resumed run starts from.
+        self._settle_rollouts(push=True)
+        pending = self.ahead.ready if self.ahead is not None else None
+
         def write(tmp: Path) -> None:
             self.actor.call_all(TrainWorker.save_checkpoint, str(tmp / "actor"))
             if self.critic is not None:
                 self.critic.call_all(TrainWorker.save_checkpoint, str(tmp / "critic"))
+            if pending is not None:
+                save_rollouts(tmp / ROLLOUTS_FILE, pending)
 
-        state: dict[str, Any] = {"loader": self.loader.state_dict()}
+        state: dict[str, Any] = {"loader": self.loader.state_dict(), "policy_version": self.version}
         if hasattr(self.algorithm, "state_dict"):  # e.g. an adaptive KL coefficient
             state["algorithm"] = self.algorithm.state_dict()
         path = checkpoint.save(self.ckpt_root, self.step, write, state, keep=self.cfg.trainer.max_checkpoints_to_keep)
@@ -559,6 +708,13 @@ class Trainer:
             self.algorithm.load_state_dict(state["algorithm"])
         self.loader.load_state_dict(state["loader"])
         self.step = self.saved_step = int(state["step"])
+        self.version = int(state.get("policy_version", self.step))
+        if (path / ROLLOUTS_FILE).is_file():
+            rollouts = load_rollouts(path / ROLLOUTS_FILE)
+            if self.ahead is not None:
+                self.ahead.ready = rollouts
+            else:
+                self.resumed_rollouts = rollouts
         print(f"Resuming from {path} (step {self.step}).")
         if self.step >= self.total_steps:
             print(f"Run already finished at step {self.step}/{self.total_steps}; nothing to do. To train longer "

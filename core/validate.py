@@ -254,10 +254,31 @@ def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
     from rlx.registry import get_plugin_manager
 
     problems: list[str] = []
-    component = (pm or get_plugin_manager()).components().get(("backend", cfg.backend.name))
+    components = (pm or get_plugin_manager()).components()
+    component = components.get(("backend", cfg.backend.name))
     check = component.extra.get("config_problems") if component is not None else None
     if check is not None:
         problems.extend(resolve_ref(check)(cfg))
+    problems.extend(partial_rollout_problems(cfg, components.get(("rollout", cfg.rollout.name))))
+    return problems
+
+
+def partial_rollout_problems(cfg: RLXConfig, engine: Component | None) -> list[str]:
+    """``rollout.partial`` needs an engine that stops where it is when asked (its component says so with
+    ``extra["interruptible"]``) and, for now, one in the controller's process."""
+    if not cfg.rollout.partial or engine is None:
+        return []
+    problems = []
+    if not engine.extra.get("interruptible"):
+        problems.append(f"rollout.partial: rollout engine {cfg.rollout.name!r} cannot be interrupted in the middle "
+                        "of a generation and continue the sequence later. Use rollout.name=hf, or set "
+                        "rollout.partial=false (with trainer.max_staleness >= 1 the next step's rollouts still "
+                        "overlap training).")
+    launcher = cfg.launcher.options()
+    if cfg.launcher.name != "local" or int(launcher.get("nproc", 1)) != 1 or int(launcher.get("rollout_nproc", 0)):
+        problems.append("rollout.partial: the interruption reaches an engine in the controller's own process only "
+                        "(launcher.name=local, --nproc 1, launcher.rollout_nproc=0). Set rollout.partial=false "
+                        "with several processes.")
     return problems
 
 

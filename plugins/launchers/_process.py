@@ -33,6 +33,9 @@ ROLLOUT_ROLES = frozenset({"rollout"})  # roles placed in the rollout pool when 
 class LocalWorkerGroup:
     """Workers of one role in this process (the controller calls the group, never a worker)."""
 
+    # Its calls may run in a thread beside the calls of other groups (asynchronous RL, rlx.overlap).
+    overlaps_training = True
+
     def __init__(self, role: str, workers: list[Any]) -> None:
         self.role = role
         self.workers = workers
@@ -368,6 +371,10 @@ class ProcessWorkerGroup:
         self.world_size = len(infos)
         self.dp_size = infos[0].dp_size
         self.balanced = self.dp_size > 1 and role in getattr(launcher, "balanced_roles", frozenset())
+        # Its calls may run in a thread beside other groups' (asynchronous RL, rlx.overlap) when its processes
+        # hold no other role and are not the driver's: a rollout pool. Colocated, the ranks' command loops would
+        # interleave two streams of commands.
+        self.overlaps_training = False
 
     def call(self, method: Callable[..., Any], batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
         batch, order = balance(batch, self.dp_size) if self.balanced else (batch, None)

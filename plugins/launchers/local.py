@@ -306,6 +306,7 @@ class ProcessLauncher(PhaseSwitch):
             return LocalWorkerGroup(role, [build(0, 1)])
         ranks = self.layout.ranks(role)
         group = ProcessWorkerGroup(self, role, self.run(("build", role, build), None, ranks), ranks)
+        group.overlaps_training = bool(self.layout.rollout) and role in ROLLOUT_ROLES and 0 not in ranks
         # A rollout pool on training rank 0's GPU shares its memory with training: it sleeps as a colocated
         # engine does.
         if role in ROLLOUT_ROLES and (not self.layout.rollout or self.layout.share_gpu):

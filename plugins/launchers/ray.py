@@ -391,6 +391,7 @@ class RayLauncher(PhaseSwitch):
             return LocalWorkerGroup(role, [build(0, 1)])
         ranks = self.layout.ranks(role)
         group = ProcessWorkerGroup(self, role, self.run(("build", role, build), None, ranks), ranks)
+        group.overlaps_training = bool(self.layout.rollout) and role in ROLLOUT_ROLES and 0 not in ranks
         if role in ROLLOUT_ROLES and not self.layout.rollout:
             self.colocated_rollout = group
         return group
