@@ -282,7 +282,9 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     for r in rows:
         print(f"  {name} step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
                                                   if k.startswith("timing/")), flush=True)
-    steady = rows[1:] or rows
+    # Asynchronous RL: the last step generates nothing beside its training, so it is left out of the steady state.
+    staleness = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.max_staleness=")]
+    steady = (rows[1:-1] if staleness and staleness[-1] != "0" else rows[1:]) or rows
     for key in sorted({k for r in steady for k in r if k.startswith(("timing/", "perf/"))}):
         record(f"{name}/{key}", sum(r.get(key, 0.0) for r in steady) / len(steady))
     record(f"{name}/response_length_mean", sum(r["response_length/mean"] for r in steady) / len(steady))
@@ -344,7 +346,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up).")
     ap.add_argument("--parts", default="trl,rlx,rlx_gc,gen",
                     help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
-                    "as TRL's default), rlx_bf16 (checkpointing and bf16 weights and AdamW states, as TRL), gen.")
+                    "as TRL's default), rlx_bf16 (checkpointing and bf16 weights and AdamW states, as TRL), "
+                    "rlx_async (rlx with trainer.max_staleness=1: the next step generates beside training), gen.")
     ap.add_argument("--profile", action="store_true",
                     help="Profile the last step of each rlx part (top kernels, the GPU's idle gaps) and one "
                     "generate call (top kernels).")
@@ -375,6 +378,9 @@ def main() -> None:
                                               ["model.gradient_checkpointing=true", "actor.model_dtype=bfloat16",
                                                *args.overrides], "rlx_bf16",
                                               args.out / "rlx_bf16_step_profile.txt" if args.profile else None),
+                "rlx_async": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                                               ["trainer.max_staleness=1", *args.overrides], "rlx_async",
+                                               args.out / "rlx_async_step_profile.txt" if args.profile else None),
                 "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
@@ -385,9 +391,13 @@ def main() -> None:
             record(f"{name}/error", traceback.format_exc(limit=3).splitlines()[-1])
         fresh_peak()
         (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
-    for name in ("rlx", "rlx_gc", "rlx_bf16"):
+    for name in ("rlx", "rlx_gc", "rlx_bf16", "rlx_async"):
         if f"{name}/timing/step" in RESULTS and "trl/timing/step" in RESULTS:
             record(f"trl_over_{name}_step_time", RESULTS["trl/timing/step"] / RESULTS[f"{name}/timing/step"])
+    if "rlx_async/timing/step" in RESULTS and "rlx/timing/step" in RESULTS:  # issue 27: at most 0.75
+        record("rlx_async_over_rlx_step_time", RESULTS["rlx_async/timing/step"] / RESULTS["rlx/timing/step"])
+        gen, train = RESULTS.get("rlx/timing/gen", 0.0), RESULTS["rlx/timing/step"] - RESULTS.get("rlx/timing/gen", 0.0)
+        record("ideal_async_over_sync", max(gen, train) / max(gen + train, 1e-9))
     (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print(json.dumps(RESULTS, indent=1))
 

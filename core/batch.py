@@ -102,7 +102,7 @@ class Batch:
 
 # Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
 _PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
-_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0}
+_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0, "response_versions": 0}
 
 
 def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -29,7 +30,15 @@ import yaml
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError, describe_exception
-from rlx.overlap import RolloutAhead, Rollouts
+from rlx.overlap import (
+    RolloutAhead,
+    Rollouts,
+    complete_groups,
+    continuation_prompts,
+    head_versions,
+    restart,
+    stitch,
+)
 from rlx.protocols import RewardScorer, RoleSpec, RolloutEngine, RunInfo, SamplingParams, TrainWorker, needs_of
 from rlx.records import UpdateContext
 from rlx.registry import PluginManager, call_factory, describe_component
@@ -172,6 +181,9 @@ class Trainer:
         self.version = self.engine_version = 0
         self.ahead: RolloutAhead | None = None
         self.resumed_rollouts: Rollouts | None = None  # rollouts a checkpoint of an asynchronous run holds
+        self.carry: Batch | None = None  # partial rollouts: responses of unfinished groups, to be continued
+        self._interrupt = threading.Event()
+        self._groups_seen = 0  # partial rollouts: a group's number is unique over the run
         if self.max_staleness:
             self.ahead = RolloutAhead(concurrent=bool(getattr(self.rollout, "overlaps_training", False)))
             self._check_async()
@@ -324,10 +336,14 @@ class Trainer:
         assert self.ahead is not None
         timer = Timer()
         step_start = time.perf_counter()
-        if not self.ahead.in_flight and self.ahead.ready is None:
-            self._launch_rollout()  # the first step, and the first after a resume without pending rollouts
-        rollouts, waited = self.ahead.take()
-        assert rollouts is not None
+        if self.cfg.rollout.partial:
+            rollouts, waited = self._take_partial()
+        else:
+            if not self.ahead.in_flight and self.ahead.ready is None:
+                self._launch_rollout()  # the first step, and the first after a resume without pending rollouts
+            taken, waited = self.ahead.take()
+            assert taken is not None
+            rollouts = taken
         timer.times["timing/wait_rollout"] = waited
         for key, seconds in rollouts.times.items():
             timer.times[key] = timer.times.get(key, 0.0) + seconds
@@ -337,6 +353,12 @@ class Trainer:
             if self.version + int(trains_actor) - self.engine_version > self.max_staleness:
                 with timer("weight_sync"):
                     sync_metrics = self._push_weights()
+            if self.carry is not None and len(self.carry):
+                # A response whose first token would be more than K versions old when trained is made again.
+                stale = self.version + int(trains_actor) - head_versions(self.carry) > self.max_staleness
+                rollouts.metrics["rollout/partial/restarted"] = float(stale.sum())
+                if bool(stale.any()):
+                    self.carry = restart(self.carry, stale, self.tokenizer.pad_token_id)
             idle = self._launch_rollout()
         train_start = time.perf_counter()
         metrics = self._train_on(rollouts.batch, rollouts.metrics, timer, step_start)
@@ -349,11 +371,84 @@ class Trainer:
                         "async/engine_version": float(self.engine_version)})
         return metrics
 
-    def _launch_rollout(self) -> float:
-        """Start generating the next step's rollouts with the weights the engine holds now."""
+    def _launch_rollout(self, fresh: bool = True) -> float:
+        """Start generating the next step's rollouts with the weights the engine holds now (partial rollouts: the
+        unfinished responses carried over, then, with ``fresh``, a new batch of prompts)."""
         assert self.ahead is not None
         version = self.engine_version
-        return self.ahead.launch(partial(self._produce, version))
+        if not self.cfg.rollout.partial:
+            return self.ahead.launch(partial(self._produce, version))
+        carry, self.carry = self.carry, None
+        self._interrupt = threading.Event()
+        return self.ahead.launch(partial(self._produce_partial, version, carry, self._interrupt, fresh))
+
+    def _take_partial(self) -> tuple[Rollouts, float]:
+        """Partial rollouts: the generation under way stops where it is (the step boundary); the groups whose
+        responses are all finished are this step's, the others are carried into the next rollout. When no group
+        has finished, the rest runs to its end first (no overlap this step)."""
+        assert self.ahead is not None
+        if self.ahead.in_flight:
+            self._interrupt.set()
+        elif self.ahead.ready is None:
+            self._launch_rollout()
+        taken, waited = self.ahead.take()
+        assert taken is not None
+        while not len(taken.batch) and taken.carry is not None and len(taken.carry):
+            self.carry = taken.carry
+            self._launch_rollout(fresh=False)
+            more, seconds = self.ahead.take()
+            assert more is not None
+            waited += seconds
+            for key, value in taken.times.items():
+                more.times[key] = more.times.get(key, 0.0) + value
+            taken = more
+        self.carry = taken.carry
+        return taken, waited
+
+    def _produce_partial(self, version: int, carry: Batch | None, interrupt: threading.Event,
+                         fresh: bool) -> Rollouts:
+        """The job of partial rollouts: the carried responses continue, a new batch of prompts starts (unless
+        the carried groups make a batch already), all until done or ``interrupt``; the finished groups are
+        scored."""
+        timer = Timer()
+        start = time.perf_counter()
+        pad, max_tokens, n = self.tokenizer.pad_token_id, self.sampling.max_tokens, self.sampling.n
+        parts: list[Batch] = []
+        continued = 0
+        with timer("gen"):
+            if carry is not None and len(carry):
+                todo = (~carry["finished"]).nonzero().squeeze(-1)
+                merged = carry
+                if len(todo):
+                    rows = carry.index(todo)
+                    budget = int(max_tokens - rows["response_mask"].sum(-1).min())
+                    params = dataclasses.replace(self.sampling, n=1, max_tokens=budget)
+                    new = self.rollout.call(RolloutEngine.generate, continuation_prompts(rows, pad), params,
+                                            interrupt=interrupt)
+                    rows = stitch(rows, new, version, max_tokens, pad)
+                    done = carry.index(carry["finished"].nonzero().squeeze(-1))
+                    merged = concat_rollouts([done, rows], pad) if len(done) else rows
+                    continued = len(todo)
+                parts.append(merged)
+            carried_groups = int(carry["group_index"].unique().numel()) if carry is not None and len(carry) else 0
+            if fresh and carried_groups < self.cfg.data.train_batch_size:
+                prompts = collate(self._next_examples(), pad)
+                batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling, interrupt=interrupt)
+                batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + self._groups_seen
+                batch.tensors["response_versions"] = batch["response_mask"] * version
+                self._groups_seen += len(prompts)
+                parts.append(batch)
+        batch = concat_rollouts(parts, pad)
+        complete = complete_groups(batch)
+        ready = batch.index(complete.nonzero().squeeze(-1))
+        rest = batch.index((~complete).nonzero().squeeze(-1))
+        if len(ready):
+            with timer("reward"):
+                ready.update(self.reward.call(RewardScorer.score, ready))
+            ready.tensors["policy_version"] = head_versions(ready)
+        metrics = {"rollout/partial/continued": float(continued), "rollout/partial/carried": float(len(rest)),
+                   "rollout/partial/interrupted": float(interrupt.is_set())}
+        return Rollouts(ready, metrics, timer.times, version, start, time.perf_counter(), carry=rest)
 
     def _produce(self, version: int) -> Rollouts:
         """The job of :class:`rlx.overlap.RolloutAhead`: the next prompts, generated and scored."""

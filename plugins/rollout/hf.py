@@ -103,7 +103,11 @@ class HFRollout:
         return StaticEngine(self.model, self.pad_token_id, use_graph=graph,
                             compile_mode=o.compile if on_gpu else "off", prompt_bucket=o.prompt_bucket)
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+    def generate(self, prompts: Batch, params: SamplingParams, *, interrupt: Any = None) -> Batch:
+        """``params.n`` responses per prompt. ``interrupt`` (an object with ``is_set()``, e.g. a
+        ``threading.Event``; partial rollouts): once it is set, decoding stops where it is and the batch gets a
+        ``finished`` column (False for a response that neither stopped nor reached ``max_tokens``; rows of
+        micro-batches not started yet are empty and unfinished)."""
         from rlx.batch import concat_rollouts
 
         if self._not_loaded:
@@ -115,11 +119,27 @@ class HFRollout:
                 "must load the actor's weights (update_weights) after wake_up and before generate.")
 
         rows = prompts.repeat_interleave(params.n)
-        chunks = [self._generate(mb, params) for mb in rows.split(self.options.micro_batch_size)]
-        out = concat_rollouts(chunks, self.pad_token_id)
-        return out
+        chunks = []
+        for mb in rows.split(self.options.micro_batch_size):
+            if interrupt is not None and interrupt.is_set():
+                chunks.append(self._not_started(mb))
+            else:
+                chunks.append(self._generate(mb, params, interrupt))
+        return concat_rollouts(chunks, self.pad_token_id)
 
-    def _generate(self, batch: Batch, params: SamplingParams) -> Batch:
+    def _not_started(self, batch: Batch) -> Batch:
+        import torch
+
+        from rlx.batch import Batch
+
+        b = len(batch)
+        tensors = {"prompts": batch["input_ids"], "prompt_mask": batch["attention_mask"],
+                   "responses": torch.full((b, 1), self.pad_token_id, dtype=torch.long),
+                   "response_mask": torch.zeros((b, 1), dtype=torch.long),
+                   "rollout_log_probs": torch.zeros((b, 1)), "finished": torch.zeros(b, dtype=torch.bool)}
+        return Batch(tensors, dict(batch.non_tensors))
+
+    def _generate(self, batch: Batch, params: SamplingParams, interrupt: Any = None) -> Batch:
         import torch
 
         from rlx.batch import Batch
@@ -131,10 +151,12 @@ class HFRollout:
         stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
         with torch.no_grad():
             if self.static is not None:
-                responses, log_probs = self.static.generate(input_ids, attention_mask, sampler, params.max_tokens, stop)
+                responses, log_probs = self.static.generate(input_ids, attention_mask, sampler, params.max_tokens, stop,
+                                                            interrupt=interrupt)
             else:
                 responses, log_probs = decode_dynamic(self.model, input_ids, attention_mask, sampler,
-                                                      params.max_tokens, torch.tensor(stop, device=self.device))
+                                                      params.max_tokens, torch.tensor(stop, device=self.device),
+                                                      interrupt=interrupt)
         is_stop = torch.isin(responses, torch.tensor(stop, device=responses.device))
         # A response ends at (and includes) its first stop token.
         ended_before = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
@@ -146,6 +168,8 @@ class HFRollout:
             "responses": responses.cpu(), "response_mask": response_mask.cpu(),
             "rollout_log_probs": log_probs.cpu(),
         }
+        if interrupt is not None:  # a response is finished when it stopped or used its whole budget
+            tensors["finished"] = (is_stop.any(-1) | (response_mask.sum(-1) >= params.max_tokens)).cpu()
         return Batch(tensors, dict(batch.non_tensors))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -231,4 +255,5 @@ def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
 @hookimpl
 def rlx_rollout_engines() -> list[Component]:
     return [Component(kind="rollout", name="hf", factory=build, config_model=HFRolloutOptions,
-                      summary="Hugging Face models: static-cache, CUDA-graph decoding on a GPU; no extra dependency.")]
+                      summary="Hugging Face models: static-cache, CUDA-graph decoding on a GPU; no extra dependency.",
+                      extra={"interruptible": True})]  # generate(..., interrupt=): partial rollouts

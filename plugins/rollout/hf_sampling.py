@@ -86,12 +86,13 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def decode_dynamic(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampler: Sampler,
-                   max_tokens: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_tokens: int, stop: torch.Tensor, interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``max_tokens`` tokens for left-padded prompts with the model's dynamic cache.
 
     Every row is sampled at every step until all rows have produced a stop token, so the random draws of a
     row do not depend on when the others stop. Returns the raw (b, R) tokens and their (b, R) log-probs; the
-    caller cuts each row after its first stop token.
+    caller cuts each row after its first stop token. Once ``interrupt.is_set()``, decoding stops after the
+    current step (partial rollouts).
     """
     import torch
     from transformers import DynamicCache
@@ -110,7 +111,7 @@ def decode_dynamic(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         tokens.append(token)
         log_probs.append(log_prob)
         done |= torch.isin(token, stop)
-        if step + 1 == max_tokens or bool(done.all()):
+        if step + 1 == max_tokens or bool(done.all()) or (interrupt is not None and interrupt.is_set()):
             break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         last_position = last_position + 1

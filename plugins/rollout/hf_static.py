@@ -180,13 +180,16 @@ class StaticDecoder:
                 self.step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread of this process may be training meanwhile (asynchronous RL, rlx.overlap);
+        # its allocations are not this recording's business.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.step()
         self.graph = graph
 
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, check_every: int = 16) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor]:
-        """(b, R) raw tokens and their log-probs; R < max_tokens only when every row has stopped."""
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, check_every: int = 16,
+                 interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, R) raw tokens and their log-probs; R < max_tokens only when every row has stopped, or when
+        ``interrupt`` was set (looked at every ``check_every`` steps, with the stop check)."""
         if self.use_graph and self.graph is None:
             self.capture(ids, mask)
         self.prefill(ids, mask)
@@ -200,7 +203,8 @@ class StaticDecoder:
                 else:
                     self.step()
                 # A host read costs a synchronisation: look every few steps only.
-                if (column + 1) % check_every == 0 and column + 1 < self.max_tokens and bool(self.done.all()):
+                if (column + 1) % check_every == 0 and column + 1 < self.max_tokens and (
+                        bool(self.done.all()) or (interrupt is not None and interrupt.is_set())):
                     width = column + 1
                     break
         return self.tokens[:, :width].clone(), self.log_probs[:, :width].clone()
@@ -251,7 +255,7 @@ class StaticEngine:
         return decoder
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampler: Sampler, max_tokens: int,
-                 stop: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 stop: list[int], interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Like ``decode_dynamic``: (b, R) raw tokens and log-probs for left-padded prompts."""
         import torch
 
@@ -265,7 +269,7 @@ class StaticEngine:
         ids[b:], mask[b:] = ids[0], mask[0]  # filler rows: copies of a real prompt, dropped below
         decoder = self._decoder(rows, width, max_tokens, sampler, stop)
         try:
-            tokens, log_probs = decoder.generate(ids, mask)
+            tokens, log_probs = decoder.generate(ids, mask, interrupt=interrupt)
         except Exception as exc:  # a compiler failure must not end the run: decode uncompiled
             if decoder.step_fn == decoder._log_probs:
                 raise
@@ -274,5 +278,5 @@ class StaticEngine:
             self.compile_failed = True
             self.clear()
             decoder = self._decoder(rows, width, max_tokens, sampler, stop)
-            tokens, log_probs = decoder.generate(ids, mask)
+            tokens, log_probs = decoder.generate(ids, mask, interrupt=interrupt)
         return tokens[:b], log_probs[:b]

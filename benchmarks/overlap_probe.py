@@ -1,0 +1,100 @@
+"""Where asynchronous RL's time goes on one GPU (issue 27): the ``hf`` engine's generation of the GRPO benchmark's
+work (64 x 256 tokens, Qwen2.5-0.5B shape, ``grpo_vs_trl.py``'s model) alone, in a thread on a side stream, and
+in that thread while the main thread keeps the GPU busy with training-sized bf16 matrix products (the load of
+an actor update: forward and backward GEMMs of the same model's width), optionally with the two partitioned
+into green contexts (SMs split between them).
+
+    python benchmarks/overlap_probe.py OUT_DIR        # OUT_DIR: a grpo_vs_trl.py output folder (its model)
+
+Prints each variant's generation seconds and the matrix products done meanwhile (TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from grpo_vs_trl import PROMPTS, SAMPLES, build_model, prompt_batch, prompt_texts
+
+    from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+    from rlx.protocols import SamplingParams
+
+    out = Path(sys.argv[1])
+    model_dir, tok_dir = out / "model", out / "tokenizer"
+    if not (model_dir / "config.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        build_model(model_dir, tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512), "cuda",
+                       [tok.eos_token_id], tok.pad_token_id)
+    prompts = prompt_batch(tok, prompt_texts(PROMPTS))
+    params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=256)
+    engine.generate(prompts, params)  # compile and record
+    torch.cuda.synchronize()
+
+    a = torch.randn(16384, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16)
+
+    def gen_seconds(stream: Any = None) -> float:
+        start = time.perf_counter()
+        if stream is None:
+            engine.generate(prompts, params)
+        else:
+            with torch.cuda.stream(stream):
+                engine.generate(prompts, params)
+            stream.synchronize()
+        return time.perf_counter() - start
+
+    def variant(name: str, stream: Any, load: bool, green: tuple[Any, Any] | None = None) -> None:
+        result: dict[str, float] = {}
+
+        def run() -> None:
+            if green is not None:
+                green[0].set_context()
+            result["gen"] = gen_seconds(stream)
+
+        thread = threading.Thread(target=run)
+        products = 0
+        start = time.perf_counter()
+        if green is not None:
+            green[1].set_context()
+        thread.start()
+        while load and thread.is_alive():
+            for _ in range(20):
+                (a @ w).sum()
+            products += 20
+            torch.cuda.synchronize()
+        thread.join()
+        seconds = time.perf_counter() - start
+        tflops = products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / seconds / 1e12
+        print(f"{name}: generation {result['gen']:.3f} s, matrix products {tflops:.0f} TFLOP/s", flush=True)
+
+    print(f"main thread alone: generation {gen_seconds():.3f} s", flush=True)
+    variant("thread, default stream, alone", None, False)
+    variant("thread, side stream, alone", torch.cuda.Stream(), False)
+    variant("thread, side stream, beside matrix products", torch.cuda.Stream(), True)
+    variant("thread, high-priority stream, beside matrix products", torch.cuda.Stream(priority=-1), True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        for share in (0.25, 0.5):
+            gen_sms = int(sms * share) // 8 * 8
+            contexts = (GreenContext.create(num_sms=gen_sms, device_id=0),
+                        GreenContext.create(num_sms=sms - gen_sms, device_id=0))
+            variant(f"green contexts, {gen_sms} of {sms} SMs for generation", None, True, contexts)
+    except Exception as exc:  # an old driver or torch build
+        print(f"green contexts: not available ({type(exc).__name__}: {exc})")
+
+
+if __name__ == "__main__":
+    main()
