@@ -4,7 +4,7 @@ in that thread while the main thread keeps the GPU busy with training-sized bf16
 an actor update: forward and backward GEMMs of the same model's width), optionally with the two partitioned
 into green contexts (SMs split between them).
 
-    python benchmarks/overlap_probe.py OUT_DIR        # OUT_DIR: a grpo_vs_trl.py output folder (its model)
+    python benchmarks/overlap_probe.py OUT_DIR [--green]   # OUT_DIR: where the benchmark's model is (or goes)
 
 Prints each variant's generation seconds and the matrix products done meanwhile (TFLOP/s).
 """
@@ -83,17 +83,23 @@ def main() -> None:
     variant("thread, side stream, alone", torch.cuda.Stream(), False)
     variant("thread, side stream, beside matrix products", torch.cuda.Stream(), True)
     variant("thread, high-priority stream, beside matrix products", torch.cuda.Stream(priority=-1), True)
+    if "--green" not in sys.argv:
+        return
+    # Green contexts (SMs split between the two threads): cuDNN's attention refused to run in one here, so
+    # attention goes through the flash / memory-efficient kernels.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    try:
-        from torch.cuda.green_contexts import GreenContext
+    from torch.cuda.green_contexts import GreenContext
 
-        for share in (0.25, 0.5):
-            gen_sms = int(sms * share) // 8 * 8
+    for share in (0.25, 0.5):
+        gen_sms = int(sms * share) // 8 * 8
+        try:
             contexts = (GreenContext.create(num_sms=gen_sms, device_id=0),
                         GreenContext.create(num_sms=sms - gen_sms, device_id=0))
             variant(f"green contexts, {gen_sms} of {sms} SMs for generation", None, True, contexts)
-    except Exception as exc:  # an old driver or torch build
-        print(f"green contexts: not available ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # an old driver or torch build
+            print(f"green contexts ({gen_sms} SMs): failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+            return
 
 
 if __name__ == "__main__":

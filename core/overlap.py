@@ -18,7 +18,6 @@ starts, and the job's results are complete before they are handed over.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -43,9 +42,6 @@ class Rollouts:
     started: float = 0.0  # time.perf_counter() when the job started and ended
     finished: float = 0.0
     carry: Batch | None = None  # partial rollouts: responses of groups not finished yet (no scores)
-
-
-SWITCH_INTERVAL_S = float(os.environ.get("RLX_SWITCH_INTERVAL", "0.0002"))
 
 
 class RolloutAhead:
@@ -78,10 +74,6 @@ class RolloutAhead:
             return idle
         device, stream = self._cuda_stream()
         self._result, self._error = None, None
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            # Both threads run Python between their kernels: the default hand-over of the interpreter lock
-            # (5 ms) would leave each waiting for the other's time slice at every decode step.
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
 
         def run() -> None:
             try:

@@ -329,11 +329,13 @@ class RolloutEngineContract:
     samples per prompt in the distribution checks), ``base_model`` (the architecture and tokenizer the
     contract policies are built from: a model folder or ``builtin:tiny-qwen2``),
     ``log_probs_after_filters`` (False for an engine whose log-probs are those of softmax(logits /
-    temperature) before top-k and top-p, as SGLang's).
+    temperature) before top-k and top-p, as SGLang's), ``interruptible`` (True for an engine whose component
+    declares ``extra["interruptible"]``: the interrupt checks run too).
     """
 
     logprob_atol: float = 1e-4
     log_probs_after_filters: bool = True
+    interruptible: bool = False  # generate(prompts, params, interrupt=EVENT) stops where it is (rollout.partial)
     samples: int = 2000
     base_model: str = "builtin:tiny-qwen2"
 
@@ -420,6 +422,49 @@ class RolloutEngineContract:
         eos = {contract_policies["tokenizer"].eos_token_id}
         want = [manual_greedy(contract_policies["a"], ids, 8, eos) for ids in _unpadded(prompts)]
         assert _rows(a) == [w for w in want for _ in range(2)]
+
+    def test_a_sequence_continues_from_its_prompt_and_tokens(self, engine: Any, prompts: Batch,
+                                                             contract_policies: dict[str, Any]) -> None:
+        """What asynchronous RL's partial rollouts rely on (rlx.overlap): greedy, generating from a prompt followed
+        by the first tokens of its response gives the rest of that response."""
+        from rlx.overlap import continuation_prompts, stitch
+
+        tok = contract_policies["tokenizer"]
+        params = SamplingParams(n=1, max_tokens=8, greedy=True, temperature=0.0)
+        whole = _generate(engine, prompts, params)
+        rows = (whole["response_mask"].sum(-1) >= 2).nonzero().squeeze(-1).tolist()
+        assert rows, "every greedy response is one token long: nothing to continue"
+        whole = whole.index(rows)
+        head = whole.index(list(range(len(whole))))
+        keep = torch.zeros_like(head["response_mask"])
+        keep[:, :1] = 1  # the first token; the engine makes the rest
+        head.tensors["response_mask"] = head["response_mask"] * keep
+        head.tensors["responses"] = head["responses"].masked_fill(head["response_mask"] == 0, tok.pad_token_id)
+        head.tensors["rollout_log_probs"] = head["rollout_log_probs"] * head["response_mask"]
+        have = head["response_mask"].sum(-1)
+        rest = _generate(engine, continuation_prompts(head, tok.pad_token_id),
+                         dataclasses.replace(params, max_tokens=int(8 - have.min())))
+        rest.tensors.setdefault("finished", torch.ones(len(rest), dtype=torch.bool))
+        out = stitch(head, rest, 1, 8, tok.pad_token_id)
+        assert _rows(out) == _rows(whole)
+        mask = whole["response_mask"].bool()
+        assert torch.allclose(out["rollout_log_probs"][:, :mask.shape[1]][mask], whole["rollout_log_probs"][mask],
+                              atol=max(self.logprob_atol, 2e-4))
+
+    def test_interrupt_stops_where_it_is(self, engine: Any, prompts: Batch) -> None:
+        if not self.interruptible:
+            pytest.skip("the engine does not declare that it can be interrupted (rollout.partial)")
+        import threading
+
+        params = SamplingParams(n=2, max_tokens=6, seed=0)
+        event = threading.Event()
+        free = engine.generate(prompts, params, interrupt=event)  # never set: every response ends
+        ended = free["response_mask"].sum(-1)
+        assert free["finished"].all() and (ended > 0).all()
+        event.set()
+        stopped = engine.generate(prompts, params, interrupt=event)  # set before: nothing is generated
+        assert len(stopped) == len(free) and not stopped["finished"].any()
+        assert (stopped["response_mask"].sum(-1) == 0).all()
 
     def test_seeded_sampling_repeats_and_other_seeds_differ(self, engine: Any, prompts: Batch) -> None:
         params = SamplingParams(n=4, max_tokens=8, temperature=1.0)

@@ -16,6 +16,8 @@ def _one_thread(one_thread):
 
 
 class TestHFEngineContract(RolloutEngineContract):
+    interruptible = True  # its component declares extra["interruptible"] (partial rollouts)
+
     def make_engine(self, model_path: str, tokenizer: Any) -> HFRollout:
         # One generate call for the thousands of one-token samples of the distribution checks.
         return HFRollout(model_path, HFRolloutOptions(micro_batch_size=8192), "cpu", [tokenizer.eos_token_id],
