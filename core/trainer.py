@@ -487,6 +487,13 @@ class Trainer:
                             "rollout.partial=false.")
         if problems:
             raise ConfigError(problems)
+        options = self.config_dict.get("algorithm", {})
+        correction = options.get("rollout_correction") or {}
+        if "tis_cap" in options and options.get("tis_cap") is None and not (
+                correction.get("rollout_is") or correction.get("rollout_rs")):
+            print(f"Note: trainer.max_staleness={self.max_staleness}: rollouts come from a policy up to "
+                  f"{self.max_staleness} version(s) older than the one that trains; algorithm.tis_cap=2 (or "
+                  "algorithm.rollout_correction) corrects for that (docs/rollout.md).", file=sys.stderr)
         if not self.ahead or self.ahead.concurrent:
             return
         print(f"Note: trainer.max_staleness={self.max_staleness}: the rollout engine shares processes with the "
