@@ -255,6 +255,19 @@ def test_ray_trains_the_builtin_job_like_two_local_processes(tmp_path: Path) -> 
 
 
 @needs_ray
+def test_a_ray_rollout_pool_generates_beside_training(tmp_path: Path) -> None:
+    """Asynchronous RL (issue 27) through Ray: the rollout pool's actor generates the next step's rollouts while
+    the training actor trains; every step after the first trains on rollouts one version old."""
+    out = tmp_path / "async"
+    run = rlx("train", *TINY, "launcher.name=ray", "launcher.nproc=1", "launcher.rollout_nproc=1",
+              "trainer.max_staleness=1", "trainer.total_steps=3", f"trainer.output_dir={out}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [r for r in read_metrics(out) if "reward/mean" in r]
+    assert [r["async/staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[1]["timing/overlap"] > 0 and rows[-1]["timing/overlap"] == 0.0
+
+
+@needs_ray
 def test_a_killed_worker_actor_ends_the_run_naming_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     err_file = tmp_path / "stderr.txt"
