@@ -94,12 +94,64 @@ def main() -> None:
     for share in (0.25, 0.5):
         gen_sms = int(sms * share) // 8 * 8
         try:
-            contexts = (GreenContext.create(num_sms=gen_sms, device_id=0),
-                        GreenContext.create(num_sms=sms - gen_sms, device_id=0))
-            variant(f"green contexts, {gen_sms} of {sms} SMs for generation", None, True, contexts)
+            green_variant(GreenContext, gen_sms, sms, model_dir, tok, prompts, params, a, w)
         except Exception as exc:  # an old driver or torch build
             print(f"green contexts ({gen_sms} SMs): failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
             return
+
+
+def green_variant(green: Any, gen_sms: int, sms: int, model_dir: Path, tok: Any, prompts: Any, params: Any,
+                  a: Any, w: Any) -> None:
+    """A second engine built, recorded and run entirely inside a green context of ``gen_sms`` SMs (a graph
+    recorded in one context is not replayed in another), beside matrix products in a context of the rest."""
+    import torch
+
+    from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+
+    gen_ctx = green.create(num_sms=gen_sms, device_id=0)
+    train_ctx = green.create(num_sms=sms - gen_sms, device_id=0)
+    ready, result = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            gen_ctx.set_context()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512), "cuda",
+                                   [tok.eos_token_id], tok.pad_token_id)
+                engine.generate(prompts, params)
+                stream.synchronize()
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                stream.synchronize()
+                result["alone"] = time.perf_counter() - start
+                ready.set()
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                stream.synchronize()
+                result["beside"] = time.perf_counter() - start
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    ready.wait()
+    train_ctx.set_context()
+    products, start = 0, time.perf_counter()
+    while thread.is_alive():
+        for _ in range(20):
+            (a @ w).sum()
+        products += 20
+        torch.cuda.synchronize()
+    thread.join()
+    seconds = time.perf_counter() - start
+    if "error" in result:
+        print(f"green contexts ({gen_sms} SMs): failed ({result['error']})", flush=True)
+        return
+    tflops = products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / seconds / 1e12
+    print(f"green contexts, {gen_sms} of {sms} SMs for generation: alone {result['alone']:.3f} s, beside matrix "
+          f"products {result['beside']:.3f} s ({tflops:.0f} TFLOP/s on the other {sms - gen_sms} SMs)", flush=True)
 
 
 if __name__ == "__main__":
