@@ -840,6 +840,10 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                     raise _Unmapped(f"this rlx has no {target}")
                 t.set(target, value, key)
             else:
+                if key.startswith("async_training."):
+                    raise _Unmapped("verl's fully-async recipe; in rlx set trainer.max_staleness=K (a bound in policy "
+                                    "versions, not a share of samples), rollout.partial=true and "
+                                    "launcher.rollout_nproc=N by hand: docs/rollout.md")
                 why = _is_ignored(key)
                 if why is None:
                     raise _Unmapped("no rlx counterpart")

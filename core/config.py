@@ -426,11 +426,6 @@ class RLXConfig(_Section):
                     f"{section}.{name}: {budget} is smaller than the longest sequence, data.max_prompt_length + "
                     f"data.max_response_length = {longest}: raise it to at least {longest}, or set "
                     f"{section}.use_dynamic_bsz=false.")
-        if self.rollout.partial and self.trainer.max_staleness < 2:
-            problems.append(
-                f"rollout.partial: a response interrupted at a step boundary is trained one step later than it "
-                f"started, so its first tokens are two policy versions old, which needs trainer.max_staleness >= 2 "
-                f"(it is {self.trainer.max_staleness}). Set trainer.max_staleness=2, or rollout.partial=false.")
         if problems:
             raise ValueError("; ".join(problems))
         return self

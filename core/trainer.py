@@ -73,6 +73,10 @@ def load_rollouts(path: Path) -> Rollouts:
                     int(saved["version"]))
 
 
+def _groups(batch: Batch | None) -> int:
+    return int(batch["group_index"].unique().numel()) if batch is not None and len(batch) else 0
+
+
 class Timer:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -182,6 +186,7 @@ class Trainer:
         self.ahead: RolloutAhead | None = None
         self.resumed_rollouts: Rollouts | None = None  # rollouts a checkpoint of an asynchronous run holds
         self.carry: Batch | None = None  # partial rollouts: responses of unfinished groups, to be continued
+        self.finished_pool: Batch | None = None  # partial rollouts: finished groups beyond a step's batch
         self._interrupt = threading.Event()
         self._groups_seen = 0  # partial rollouts: a group's number is unique over the run
         if self.max_staleness:
@@ -353,6 +358,8 @@ class Trainer:
             if self.version + int(trains_actor) - self.engine_version > self.max_staleness:
                 with timer("weight_sync"):
                     sync_metrics = self._push_weights()
+            if self.cfg.rollout.partial:
+                rollouts.metrics["rollout/partial/restarted"] = 0.0
             if self.carry is not None and len(self.carry):
                 # A response whose first token would be more than K versions old when trained is made again.
                 stale = self.version + int(trains_actor) - head_versions(self.carry) > self.max_staleness
@@ -393,17 +400,38 @@ class Trainer:
             self._launch_rollout()
         taken, waited = self.ahead.take()
         assert taken is not None
-        while not len(taken.batch) and taken.carry is not None and len(taken.carry):
-            self.carry = taken.carry
+        pad, target = self.tokenizer.pad_token_id, self.cfg.data.train_batch_size
+        pool = concat_rollouts([b for b in (self.finished_pool, taken.batch) if b is not None and len(b)], pad)
+        self.carry = taken.carry
+        while _groups(pool) < target and self.carry is not None and len(self.carry):
+            # Fewer finished groups than a batch: the newest weights go to the engine and the carried responses
+            # continue until they end (the step waits for them; no new prompts meanwhile).
+            if self.engine_version != self.version:
+                start = time.perf_counter()
+                self._push_weights()
+                taken.times["timing/weight_sync"] = taken.times.get("timing/weight_sync", 0.0) + (
+                    time.perf_counter() - start)
             self._launch_rollout(fresh=False)
             more, seconds = self.ahead.take()
             assert more is not None
             waited += seconds
-            for key, value in taken.times.items():
-                more.times[key] = more.times.get(key, 0.0) + value
-            taken = more
-        self.carry = taken.carry
-        return taken, waited
+            for key, value in more.times.items():
+                taken.times[key] = taken.times.get(key, 0.0) + value
+            taken.metrics["rollout/partial/continued"] += more.metrics["rollout/partial/continued"]
+            pool = concat_rollouts([b for b in (pool, more.batch) if len(b)], pad)
+            self.carry = more.carry
+        taken.metrics["rollout/partial/carried"] = float(len(self.carry)) if self.carry is not None else 0.0
+        # A step trains on data.train_batch_size groups (fewer only when nothing is left to continue); the
+        # finished groups beyond those wait for the next step.
+        first = list(dict.fromkeys(pool["group_index"].tolist()))[:target] if len(pool) else []
+        keep = torch.isin(pool["group_index"], torch.tensor(first, dtype=torch.long)) if len(pool) else None
+        if keep is not None and not bool(keep.all()):
+            self.finished_pool = pool.index((~keep).nonzero().squeeze(-1))
+            pool = pool.index(keep.nonzero().squeeze(-1))
+        else:
+            self.finished_pool = None
+        taken.metrics["rollout/partial/waiting_groups"] = float(_groups(self.finished_pool))
+        return Rollouts(pool, taken.metrics, taken.times, taken.version, taken.started, taken.finished), waited
 
     def _produce_partial(self, version: int, carry: Batch | None, interrupt: threading.Event,
                          fresh: bool) -> Rollouts:
@@ -782,6 +810,11 @@ class Trainer:
         # step's weights, which is what a resumed run starts from.
         self._settle_rollouts(push=True)
         pending = self.ahead.ready if self.ahead is not None else None
+        if pending is not None and self.finished_pool is not None and len(self.finished_pool):
+            # Partial rollouts: the finished groups waiting for a step are saved with the others.
+            pending.batch = concat_rollouts([b for b in (self.finished_pool, pending.batch) if len(b)],
+                                            self.tokenizer.pad_token_id)
+            self.finished_pool = None
 
         def write(tmp: Path) -> None:
             self.actor.call_all(TrainWorker.save_checkpoint, str(tmp / "actor"))

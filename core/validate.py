@@ -266,9 +266,16 @@ def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
 def partial_rollout_problems(cfg: RLXConfig, engine: Component | None) -> list[str]:
     """``rollout.partial`` needs an engine that stops where it is when asked (its component says so with
     ``extra["interruptible"]``) and, for now, one in the controller's process."""
-    if not cfg.rollout.partial or engine is None:
+    if not cfg.rollout.partial:
         return []
     problems = []
+    if cfg.trainer.max_staleness < 2:
+        problems.append(
+            f"rollout.partial: a response interrupted at a step boundary is trained one step later than it started, "
+            f"so its first tokens are two policy versions old, which needs trainer.max_staleness >= 2 (it is "
+            f"{cfg.trainer.max_staleness}). Set trainer.max_staleness=2, or rollout.partial=false.")
+    if engine is None:
+        return problems
     if not engine.extra.get("interruptible"):
         problems.append(f"rollout.partial: rollout engine {cfg.rollout.name!r} cannot be interrupted in the middle "
                         "of a generation and continue the sequence later. Use rollout.name=hf, or set "
@@ -276,9 +283,11 @@ def partial_rollout_problems(cfg: RLXConfig, engine: Component | None) -> list[s
                         "overlap training).")
     launcher = cfg.launcher.options()
     if cfg.launcher.name != "local" or int(launcher.get("nproc", 1)) != 1 or int(launcher.get("rollout_nproc", 0)):
-        problems.append("rollout.partial: the interruption reaches an engine in the controller's own process only "
-                        "(launcher.name=local, --nproc 1, launcher.rollout_nproc=0). Set rollout.partial=false "
-                        "with several processes.")
+        problems.append(f"rollout.partial: the interruption reaches an engine in the controller's own process only "
+                        f"(launcher.name=local, --nproc 1, launcher.rollout_nproc=0), but this run has "
+                        f"launcher.name={cfg.launcher.name}, launcher.nproc={launcher.get('nproc', 1)}, "
+                        f"launcher.rollout_nproc={launcher.get('rollout_nproc', 0)}. Set rollout.partial=false with "
+                        "several processes (the next step's rollouts still overlap training).")
     return problems
 
 
