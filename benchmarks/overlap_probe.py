@@ -54,28 +54,12 @@ def main() -> None:
             stream.synchronize()
         return time.perf_counter() - start
 
-    def variant(name: str, stream: Any, load: bool, green: tuple[Any, Any] | None = None) -> None:
+    def variant(name: str, stream: Any, load: bool) -> None:
         result: dict[str, float] = {}
-
-        def run() -> None:
-            if green is not None:
-                green[0].set_context()
-            result["gen"] = gen_seconds(stream)
-
-        thread = threading.Thread(target=run)
-        products = 0
-        start = time.perf_counter()
-        if green is not None:
-            green[1].set_context()
+        thread = threading.Thread(target=lambda: result.update(gen=gen_seconds(stream)))
         thread.start()
-        while load and thread.is_alive():
-            for _ in range(20):
-                (a @ w).sum()
-            products += 20
-            torch.cuda.synchronize()
+        tflops = products_beside(thread, a, w) if load else 0.0
         thread.join()
-        seconds = time.perf_counter() - start
-        tflops = products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / seconds / 1e12
         print(f"{name}: generation {result['gen']:.3f} s, matrix products {tflops:.0f} TFLOP/s", flush=True)
 
     print(f"main thread alone: generation {gen_seconds():.3f} s", flush=True)
@@ -138,20 +122,27 @@ def green_variant(green: Any, gen_sms: int, sms: int, model_dir: Path, tok: Any,
     thread.start()
     ready.wait()
     train_ctx.set_context()
+    tflops = products_beside(thread, a, w)
+    thread.join()
+    if "error" in result:
+        print(f"green contexts ({gen_sms} SMs): failed ({result['error']})", flush=True)
+        return
+    print(f"green contexts, {gen_sms} of {sms} SMs for generation: alone {result['alone']:.3f} s, beside matrix "
+          f"products {result['beside']:.3f} s ({tflops:.0f} TFLOP/s on the other {sms - gen_sms} SMs)", flush=True)
+
+
+def products_beside(thread: threading.Thread, a: Any, w: Any) -> float:
+    """bf16 matrix products ``a @ w`` in this thread while ``thread`` runs; their rate in TFLOP/s."""
+    import torch
+
     products, start = 0, time.perf_counter()
     while thread.is_alive():
         for _ in range(20):
             (a @ w).sum()
         products += 20
         torch.cuda.synchronize()
-    thread.join()
     seconds = time.perf_counter() - start
-    if "error" in result:
-        print(f"green contexts ({gen_sms} SMs): failed ({result['error']})", flush=True)
-        return
-    tflops = products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / seconds / 1e12
-    print(f"green contexts, {gen_sms} of {sms} SMs for generation: alone {result['alone']:.3f} s, beside matrix "
-          f"products {result['beside']:.3f} s ({tflops:.0f} TFLOP/s on the other {sms - gen_sms} SMs)", flush=True)
+    return products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / max(seconds, 1e-9) / 1e12
 
 
 if __name__ == "__main__":

@@ -57,14 +57,23 @@ ROLLOUTS_FILE = "rollouts.pt"  # asynchronous RL: rollouts generated before the 
 def save_rollouts(path: Path, rollouts: Rollouts) -> None:
     """Rollouts not yet trained on, as tensors and plain values (read back without running code)."""
     batch = rollouts.batch
-    try:
-        torch.save({"tensors": batch.tensors, "non_tensors": batch.non_tensors, "metrics": rollouts.metrics,
-                    "times": rollouts.times, "version": rollouts.version}, path)
-        checkpoint.torch_load(path)  # what a resume reads: only tensors and plain containers
-    except UserError:
+    if not _plain(batch.non_tensors):  # a resume reads them with weights_only: plain containers only
         raise UserError("The rollouts generated ahead of this checkpoint hold data values that a checkpoint cannot "
                         "store as plain data (the data rows' fields must be numbers, strings, lists and dicts).",
-                        "Convert those columns of the data file, or train with trainer.max_staleness=0.") from None
+                        "Convert those columns of the data file, or train with trainer.max_staleness=0.")
+    torch.save({"tensors": batch.tensors, "non_tensors": batch.non_tensors, "metrics": rollouts.metrics,
+                "times": rollouts.times, "version": rollouts.version}, path)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is made of numbers, strings, None, lists, tuples and dicts only."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return False
 
 
 def load_rollouts(path: Path) -> Rollouts:
@@ -354,15 +363,14 @@ class Trainer:
             timer.times[key] = timer.times.get(key, 0.0) + seconds
         idle, sync_metrics = 0.0, {}
         if self.step < self.total_steps:
-            trains_actor = self.critic is None or self.step > self.cfg.critic.warmup_steps
-            if self.version + int(trains_actor) - self.engine_version > self.max_staleness:
+            next_version = self.version + int(self.critic is None or self.step > self.cfg.critic.warmup_steps)
+            if next_version - self.engine_version > self.max_staleness:
                 with timer("weight_sync"):
                     sync_metrics = self._push_weights()
             if self.cfg.rollout.partial:
-                rollouts.metrics["rollout/partial/restarted"] = 0.0
-            if self.carry is not None and len(self.carry):
                 # A response whose first token would be more than K versions old when trained is made again.
-                stale = self.version + int(trains_actor) - head_versions(self.carry) > self.max_staleness
+                stale = (next_version - head_versions(self.carry) > self.max_staleness) if _groups(self.carry) \
+                    else torch.zeros(0, dtype=torch.bool)
                 rollouts.metrics["rollout/partial/restarted"] = float(stale.sum())
                 if bool(stale.any()):
                     self.carry = restart(self.carry, stale, self.tokenizer.pad_token_id)
@@ -391,8 +399,9 @@ class Trainer:
 
     def _take_partial(self) -> tuple[Rollouts, float]:
         """Partial rollouts: the generation under way stops where it is (the step boundary); the groups whose
-        responses are all finished are this step's, the others are carried into the next rollout. When no group
-        has finished, the rest runs to its end first (no overlap this step)."""
+        responses are all finished are this step's, up to data.train_batch_size of them, the others are carried
+        into the next rollout. When fewer have finished, the engine takes the newest weights and the carried
+        responses continue to their end first."""
         assert self.ahead is not None
         if self.ahead.in_flight:
             self._interrupt.set()
@@ -406,16 +415,15 @@ class Trainer:
         while _groups(pool) < target and self.carry is not None and len(self.carry):
             # Fewer finished groups than a batch: the newest weights go to the engine and the carried responses
             # continue until they end (the step waits for them; no new prompts meanwhile).
+            timer = Timer()
             if self.engine_version != self.version:
-                start = time.perf_counter()
-                self._push_weights()
-                taken.times["timing/weight_sync"] = taken.times.get("timing/weight_sync", 0.0) + (
-                    time.perf_counter() - start)
+                with timer("weight_sync"):
+                    self._push_weights()
             self._launch_rollout(fresh=False)
             more, seconds = self.ahead.take()
             assert more is not None
             waited += seconds
-            for key, value in more.times.items():
+            for key, value in [*timer.times.items(), *more.times.items()]:
                 taken.times[key] = taken.times.get(key, 0.0) + value
             taken.metrics["rollout/partial/continued"] += more.metrics["rollout/partial/continued"]
             pool = concat_rollouts([b for b in (pool, more.batch) if len(b)], pad)
@@ -458,8 +466,7 @@ class Trainer:
                     merged = concat_rollouts([done, rows], pad) if len(done) else rows
                     continued = len(todo)
                 parts.append(merged)
-            carried_groups = int(carry["group_index"].unique().numel()) if carry is not None and len(carry) else 0
-            if fresh and carried_groups < self.cfg.data.train_batch_size:
+            if fresh and _groups(carry) < self.cfg.data.train_batch_size:
                 prompts = collate(self._next_examples(), pad)
                 batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling, interrupt=interrupt)
                 batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + self._groups_seen

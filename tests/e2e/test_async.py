@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_trainer import rlx  # the CLI in a subprocess, optionally on one thread
 
 from rlx.plugins.loggers.jsonl import read_metrics
 from rlx.run import checkpoint
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.slow
 
 TINY = ["--preset", "tiny", "trainer.test_freq=-1", "trainer.loggers=[jsonl]", "trainer.save_hf_model=false"]
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "async/staleness/mean", "response_length/mean")
-
-
-def rlx(*args: str, cwd: Path, timeout: int = 600, threads: int | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    if threads:  # CPU kernels may sum in another order under load with several threads
-        env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.run([sys.executable, "-m", "rlx", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def train(run: Path, *args: str, threads: int | None = 1) -> list[dict]:
