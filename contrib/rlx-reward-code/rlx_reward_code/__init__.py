@@ -14,8 +14,9 @@ ground truth (a dict, or a JSON string of one) gives the tests in one of these f
 
 Every run is a separate Python process in a bubblewrap sandbox (no network, a private filesystem,
 its own PID namespace, an empty environment) with limits on wall-clock and CPU time, memory, processes,
-file size, disk and output (see :mod:`rlx_reward_code.sandbox`); ``sandbox: none`` opts out. Assert
-tests are judged by the scorer on the values the program returns (see :mod:`rlx_reward_code.probes`).
+file size, disk and output (see :mod:`rlx_reward_code.sandbox`, over rlx's :mod:`rlx.run.sandbox`);
+``sandbox: none`` opts out. Assert tests are judged by the scorer on the values the program returns
+(see :mod:`rlx_reward_code.probes`).
 Cases run in parallel threads. The score is 1.0 when every test passes (``mode: all``) or the
 fraction passed (``mode: fraction``); no code scores 0.0. Logged beside it: ``code/pass_rate``,
 ``code/has_code``, ``code/timeout`` and ``code/opaque`` (the fraction of a response's tests whose verdict
