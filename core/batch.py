@@ -102,7 +102,18 @@ class Batch:
 
 # Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
 _PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
-_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0, "response_versions": 0}
+_RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0, "response_versions": 0,
+                  "loss_mask": 0}
+
+
+def trained_mask(batch: Batch) -> torch.Tensor:
+    """The response tokens the losses, advantages and their statistics count: ``response_mask`` (B, R), times
+    ``loss_mask`` where the batch has one (multi-turn episodes, rlx.agent: 0 on the tokens of tool results, which
+    the model reads but did not write). Forward passes attend to every token of ``response_mask``."""
+    mask = batch["response_mask"]
+    if "loss_mask" in batch.tensors:
+        return mask * batch["loss_mask"].to(mask.device, mask.dtype)
+    return mask
 
 
 def concat_rollouts(parts: Sequence[Batch], pad_token_id: int) -> Batch:

@@ -6,7 +6,8 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-ComponentKind = Literal["backend", "rollout", "algorithm", "reward", "logger", "launcher", "advantage", "resource"]
+ComponentKind = Literal["backend", "rollout", "algorithm", "reward", "logger", "launcher", "advantage", "resource",
+                        "agent_loop", "tool"]
 KINDS: tuple[str, ...] = get_args(ComponentKind)
 
 

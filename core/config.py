@@ -42,6 +42,7 @@ MAX_TEMPERATURE = 100.0  # far above this, sampling is uniform over the vocabula
 MAX_TOP_K = 2**31 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week; Python's own limit on a wait is about 292 years
 MAX_WORKERS = 1024
+MAX_TURNS = 1024  # agent.max_turns: assistant turns of one episode
 MAX_SEED = 2**32 - 1  # the widest seed every RNG in use takes (numpy, vLLM)
 MAX_LORA_RANK = 2**16  # model.lora_rank, model.lora_alpha: far above any model's width
 
@@ -317,6 +318,36 @@ class RewardConfig(ComponentSection):
         "a forked process that is killed when it times out (CPU-heavy rule rewards; Linux/macOS).")
 
 
+class AgentConfig(ComponentSection):
+    """Multi-turn rollouts (rlx.agent): the agent loop that drives each episode, the tools its model may call, and
+    the limits every loop is held to. The loop's own options are the section's other keys."""
+
+    name: str = Field("single_turn", description="Agent-loop plugin: single_turn (one response per prompt, "
+                      "the engine called directly) or tool_call (turns with tool calls, in the chat template's "
+                      "format).")
+    tools: list[str] = Field(default_factory=list, description="Tool plugins the model may call (tools.NAME.* "
+                             "are their options); the prompts' chat template lists them.")
+    max_turns: int = Field(4, ge=1, le=MAX_TURNS, description="Assistant turns per episode, at most; an episode "
+                           "still calling tools then ends (verl: multi_turn.max_assistant_turns).")
+    max_tool_calls: int = Field(4, ge=1, le=MAX_WORKERS, description="Tool calls run per assistant turn; calls "
+                                "past it get an error turn (verl: multi_turn.max_parallel_calls).")
+    max_tool_response_length: int = Field(
+        256, ge=1, le=MAX_TOKENS, description="Characters of one tool result kept for the model (verl: "
+        "multi_turn.max_tool_response_length); the rest is cut at tool_response_truncate_side. The episode's "
+        "tokens, tool outputs included, stay within data.max_response_length.")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        "middle", description="Where a long tool result is cut: left keeps its end, right its start, middle both.")
+    tool_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S, description="Seconds one tool call may take; a "
+                                  "call past it gets an error turn and counts in agent/tool_timeouts.")
+    max_concurrent_tools: int = Field(32, ge=1, le=MAX_WORKERS,
+                                      description="Tool calls running at once, over all episodes.")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
 class TrainerConfig(_Section):
     total_epochs: int = Field(1, gt=0, le=MAX_STEPS, description="Passes over the training data.")
     total_steps: int | None = Field(None, gt=0, le=MAX_STEPS,
@@ -400,8 +431,12 @@ class RLXConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     loggers: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-logger options, e.g. loggers.swanlab.mode=offline.")
+    tools: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-tool options, e.g. tools.python.memory_mb=512 (agent.tools "
+        "picks the tools).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLXConfig:
@@ -565,9 +600,10 @@ def override_takes_text(schema: type[BaseModel], raw: dict[str, Any], key: str, 
     if model is not None and issubclass(model, ComponentSection) and parts[0] not in model.model_fields:
         default = field.get_default(call_default_factory=True)
         name = given.get("name", default.name) if isinstance(given, dict) else default.name
-        return _field_takes_text(_plugin_options_model(pm, section, name), parts)
-    if model is None and section == "loggers" and len(parts) > 1:
-        return _field_takes_text(_plugin_options_model(pm, "logger", parts[0]), parts[1:])
+        kind = "agent_loop" if section == "agent" else section
+        return _field_takes_text(_plugin_options_model(pm, kind, name), parts)
+    if model is None and section in ("loggers", "tools") and len(parts) > 1:
+        return _field_takes_text(_plugin_options_model(pm, section[:-1], parts[0]), parts[1:])
     return _field_takes_text(model, parts)
 
 

@@ -107,6 +107,19 @@ def rlx_resources() -> Iterable[Component]:
 
 
 @hookspec
+def rlx_agent_loops() -> Iterable[Component]:
+    """Return agent loops (``kind="agent_loop"``): what drives one episode of a multi-turn rollout (ask the
+    engine for a turn, run the tools it calls, append their output, until an answer or a limit). The factory
+    returns an :class:`rlx.protocols.AgentLoop`; ``agent.name`` picks one (``single_turn``, ``tool_call``)."""
+
+
+@hookspec
+def rlx_tools() -> Iterable[Component]:
+    """Return tools (``kind="tool"``) that an agent's model may call. The factory returns an
+    :class:`rlx.protocols.Tool`; ``agent.tools=[NAME, ...]`` picks them, ``tools.NAME.*`` are their options."""
+
+
+@hookspec
 def rlx_cli_commands(app: typer.Typer) -> None:
     """Add commands to the ``rlx`` command-line app.
 
@@ -150,4 +163,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "rlx_loggers": "logger",
     "rlx_launchers": "launcher",
     "rlx_resources": "resource",
+    "rlx_agent_loops": "agent_loop",
+    "rlx_tools": "tool",
 }

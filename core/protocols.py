@@ -295,6 +295,18 @@ class RewardBatch:
     data_sources: list[str]
     extra_infos: list[dict[str, Any]]
     response_lengths: list[int] = field(default_factory=list)
+    # Multi-turn episodes (rlx.agent): per response, its turns after the prompt as chat messages
+    # ({"role": "assistant" | "tool", "content": ...}, tool turns with "name"); empty for a single-turn response.
+    # ``responses`` then hold the whole transcript, tool results included.
+    messages: list[list[dict[str, Any]]] = field(default_factory=list)
+
+    def final_answer(self, i: int) -> str:
+        """Response ``i``'s answer: the content of its last assistant turn for an episode, else the response."""
+        turns = self.messages[i] if i < len(self.messages) else []
+        for turn in reversed(turns):
+            if turn.get("role") == "assistant":
+                return str(turn.get("content", ""))
+        return self.responses[i]
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -312,6 +324,63 @@ class RewardOutput:
 
 
 RewardFn = Callable[[RewardBatch], "list[float] | RewardOutput"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Agents: multi-turn episodes with tool calls (rlx.agent runs them)
+@dataclass(frozen=True)
+class ToolCall:
+    """One call a model's turn asked for: a tool's name and its JSON arguments (``id``: the call's id when the
+    format has one)."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call returned, as the text of the tool's turn. ``error`` is None for a call that worked, else its
+    kind: ``"error"`` (the tool raised or rejected its arguments), ``"timeout"``, ``"unknown_tool"`` or
+    ``"malformed"`` (the call could not be parsed); the text then says what went wrong, for the model to read."""
+
+    name: str
+    content: str
+    error: str | None = None
+    id: str | None = None
+
+
+class ToolError(Exception):
+    """Raised by a tool for a call it rejects (bad arguments, a program that fails): the message becomes the
+    tool's turn, and the call counts as a tool error. Any other exception does too, with its type named."""
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A function an agent's model may call (``agent.tools=[NAME]``, options under ``tools.NAME``).
+
+    ``schema()`` is its OpenAI function schema, ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``, given to the chat template (the tools a prompt lists) and checked against calls;
+    ``__call__(arguments)`` runs one call and returns its output as text. Calls run in worker threads, several
+    at once, each under ``agent.tool_timeout_s``: a tool that blocks on a subprocess should give it its own
+    deadline too (the built-in ``python`` tool kills its sandbox). Output past ``agent.max_tool_response_length``
+    characters is cut.
+    """
+
+    def schema(self) -> dict[str, Any]: ...
+
+    def __call__(self, arguments: dict[str, Any]) -> str: ...
+
+
+@runtime_checkable
+class AgentLoop(Protocol):
+    """Drives one episode (``agent.name``): ``await episode.generate()`` for a model turn, parse it, run tools
+    (``await episode.call_tools(calls)``), append their results as a turn (``episode.append_messages``), until
+    an answer, ``agent.max_turns`` or the token budget (``data.max_response_length``) ends it.
+    :class:`rlx.agent.Episode` documents the methods; the runner batches every episode's turns into engine calls.
+    """
+
+    async def run(self, episode: Any) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------

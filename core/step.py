@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from rlx import _compat
+from rlx.batch import trained_mask
 from rlx.records import ForwardOptions, LossContext, RoleSettings, UpdateContext, lora_spec
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
 def loss_context(engine: StepEngine, mini: Batch, context: UpdateContext) -> LossContext:
     """The mini-batch's :class:`LossContext`: its response tokens and sequences summed over the data-parallel
     group (every rank calls this, as the all-reduce needs)."""
-    mask = mini["response_mask"]
+    mask = trained_mask(mini)
     tokens, seqs = engine.all_reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
     return LossContext(tokens, seqs, context.max_response_length, context.old_from_update)
 
@@ -197,7 +198,7 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn, mi
             outputs = engine.forward(mb, grad=True, entropy_grad=entropy_grad, temperature=context.temperature)
             loss, metrics = loss_fn(outputs, mb, ctx)
             engine.backward(loss)
-            w = float(mb["response_mask"].sum())
+            w = float(trained_mask(mb).sum())
             weight += w
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w

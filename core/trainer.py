@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import yaml
 
+from rlx.agent import AgentLimits, EpisodeRunner, episode_metrics
 from rlx.batch import Batch, concat_rollouts
 from rlx.context import BuildContext
 from rlx.errors import ConfigError, UserError, describe_exception
@@ -155,13 +156,17 @@ class Trainer:
         self.tokenizer = load_tokenizer(resolve_path(m.tokenizer_path or m.path), m.trust_remote_code,
                                         key="model.tokenizer_path" if m.tokenizer_path else "model.path")
         d = cfg.data
+        # Multi-turn rollouts (rlx.agent): the tools the model may call, listed to it by the chat template.
+        self.tools = {name: self._build("tool", name, f"tools.{name}") for name in cfg.agent.tools}
+        schemas = [tool.schema() for tool in self.tools.values()] or None
         self.train_set = load_prompts(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length,
-                                      filter_overlong=d.filter_overlong_prompts, source_key="data.train_files")
+                                      filter_overlong=d.filter_overlong_prompts, source_key="data.train_files",
+                                      tools=schemas)
         self.val_set = load_prompts(d.val_files, self.tokenizer, prompt_key=d.prompt_key,
                                     max_prompt_length=d.max_prompt_length,
                                     filter_overlong=d.filter_overlong_prompts,
-                                    source_key="data.val_files") if d.val_files else None
+                                    source_key="data.val_files", tools=schemas) if d.val_files else None
         self.loader = PromptLoader(self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=cfg.trainer.seed)
         per_epoch = self.loader.batches_per_epoch()
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * per_epoch
@@ -175,6 +180,13 @@ class Trainer:
         run = RunInfo(str(self.run_dir), cfg.trainer.project, cfg.trainer.experiment,
                       self.config_dict, resumed=self.resume_from is not None, resumed_step=resumed_step)
         self.ctx = BuildContext(cfg, run, pm, self.tokenizer)
+        # An agent loop other than single_turn runs episodes: their turns are batched into engine calls.
+        loop = pm.get("agent_loop", cfg.agent.name)
+        self.agent: EpisodeRunner | None = None
+        if not loop.extra.get("single_turn"):
+            self.agent = EpisodeRunner(self._build("agent_loop", cfg.agent.name, "agent"), self.tools, self.tokenizer,
+                                       AgentLimits.from_config(cfg.agent), self._engine_generate,
+                                       describe_component(loop))
         if cfg.actor.recompute_old_log_prob is False:
             problem = self._on_policy_problem(d.train_batch_size * cfg.rollout.n,
                                               cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
@@ -638,6 +650,13 @@ class Trainer:
             times["timing/weight_sync"] = time.perf_counter() - start
         return times
 
+    def _engine_generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.rollout.call(RolloutEngine.generate, prompts, params)
+
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """The rollouts of ``prompts``: the engine's responses, or with an agent loop its episodes (rlx.agent)."""
+        return self.agent.run(prompts, params) if self.agent is not None else self._engine_generate(prompts, params)
+
     def _generate_scored(self, examples: list[Any], timer: Timer, first_group: int = 0) -> Batch:
         """n responses per prompt, scored; ``group_index`` numbers the prompts from ``first_group``."""
         for key, seconds in self._wake_rollout().items():
@@ -645,13 +664,13 @@ class Trainer:
         prompts = collate(examples, self.tokenizer.pad_token_id)
         n = self.sampling.n
         with timer("gen"):
-            batch: Batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling)
+            batch: Batch = self._generate(prompts, self.sampling)
         batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + first_group
         with timer("reward"):
             batch.update(self.reward.call(RewardScorer.score, batch))
         if self.needs.greedy_baseline:
             with timer("gen_baseline"):
-                greedy: Batch = self.rollout.call(RolloutEngine.generate, prompts, self.greedy_sampling)
+                greedy: Batch = self._generate(prompts, self.greedy_sampling)
                 scored = self.reward.call(RewardScorer.score, greedy)
             batch.tensors["baseline_scores"] = scored["scores"].repeat_interleave(n)
             batch.tensors["baseline_response_length"] = greedy["response_mask"].sum(-1).repeat_interleave(n)
@@ -762,6 +781,7 @@ class Trainer:
         for key in batch.tensors:
             if key.startswith("reward_extra/"):
                 m[f"reward/{key.split('/', 1)[1]}"] = float(batch[key].mean())
+        m.update(episode_metrics(batch))
         m.update(timer.times)
         m.update(self._perf_metrics((resp_len + prompt_len).long().tolist(), timer.times, seconds))
         return m
@@ -805,7 +825,7 @@ class Trainer:
 
         self._settle_rollouts(push=True)  # asynchronous RL: the engine is idle and holds this step's policy
         phase = self._wake_rollout()  # after a step without an update the engine still sleeps
-        records = evaluate(self.val_set.examples, generate=partial(self.rollout.call, "generate"),
+        records = evaluate(self.val_set.examples, generate=self._generate,
                            score=partial(self.reward.call, "score"), params=params,
                            batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id)
         return {**flatten(summarize(records), prefix="val"), **phase}

@@ -21,7 +21,7 @@ from rlx.registry import PluginManager
 
 # config section -> component kind
 COMPONENT_SECTIONS = {"backend": "backend", "rollout": "rollout", "algorithm": "algorithm",
-                      "reward": "reward", "launcher": "launcher"}
+                      "reward": "reward", "launcher": "launcher", "agent": "agent_loop"}
 
 
 @dataclass
@@ -36,8 +36,9 @@ class Resolved:
             if opts is None:
                 continue
             dumped = opts.model_dump(mode="json")
-            if key.startswith("loggers."):
-                out["loggers"][key.split(".", 1)[1]] = dumped
+            if key.startswith(("loggers.", "tools.")):
+                section, _, name = key.partition(".")
+                out[section][name] = dumped
             else:
                 out[key].update(dumped)
         return out
@@ -143,6 +144,8 @@ class _View:
     sections: dict[str, tuple[str, dict[str, Any]]]  # section -> (plugin name, options)
     loggers: list[str]
     logger_options: dict[str, Any]
+    tools: list[str]
+    tool_options: dict[str, Any]
     model_path: str | None
     train_files: list[str] | None
     val_files: list[str] | None
@@ -153,8 +156,8 @@ def _view_of(cfg: RLXConfig) -> _View:
     for section in COMPONENT_SECTIONS:
         sec: ComponentSection = getattr(cfg, section)
         sections[section] = (sec.name, sec.options())
-    return _View(sections, list(cfg.trainer.loggers), dict(cfg.loggers), cfg.model.path,
-                 cfg.data.train_files, cfg.data.val_files)
+    return _View(sections, list(cfg.trainer.loggers), dict(cfg.loggers), list(cfg.agent.tools), dict(cfg.tools),
+                 cfg.model.path, cfg.data.train_files, cfg.data.val_files)
 
 
 def _view_of_raw(raw: dict[str, Any]) -> _View:
@@ -182,12 +185,18 @@ def _view_of_raw(raw: dict[str, Any]) -> _View:
     if isinstance(loggers, str):
         loggers = [s.strip() for s in loggers.split(",") if s.strip()]
     logger_opts = raw.get("loggers", {})
+    tools = sub("agent").get("tools", [])
+    if isinstance(tools, str):
+        tools = [s.strip() for s in tools.split(",") if s.strip()]
+    tool_opts = raw.get("tools", {})
     model_path = sub("model").get("path", defaults.model.path)
     data = sub("data")
     return _View(
         sections,
         str_list(loggers) or [],
         {k: v for k, v in logger_opts.items() if isinstance(v, dict)} if isinstance(logger_opts, dict) else {},
+        str_list(tools) or [],
+        {k: v for k, v in tool_opts.items() if isinstance(v, dict)} if isinstance(tool_opts, dict) else {},
         model_path if isinstance(model_path, str) else None,
         str_list(data.get("train_files", defaults.data.train_files)),
         str_list(data.get("val_files", defaults.data.val_files)),
@@ -225,6 +234,14 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
         if name not in view.loggers:
             problems.append(f"loggers.{name}: options for a logger that is not on; add it to trainer.loggers "
                             f"(now {view.loggers})")
+    for name in view.tools:
+        options[f"tools.{name}"] = _component_options(
+            pm, "tool", name, dict(view.tool_options.get(name, {})), f"tools.{name}", [], problems,
+            name_path="agent.tools", check_requirements=check_files)
+    for name in view.tool_options:
+        if name not in view.tools:
+            problems.append(f"tools.{name}: options for a tool that is not on; add it to agent.tools "
+                            f"(now {view.tools})")
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
                         "add --preset tiny for the built-in tiny job's model and data (a --config file replaces "
@@ -260,6 +277,23 @@ def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
     if check is not None:
         problems.extend(resolve_ref(check)(cfg))
     problems.extend(partial_rollout_problems(cfg, components.get(("rollout", cfg.rollout.name))))
+    problems.extend(agent_problems(cfg, components.get(("agent_loop", cfg.agent.name))))
+    return problems
+
+
+def agent_problems(cfg: RLXConfig, loop: Component | None) -> list[str]:
+    """Multi-turn rollouts (an agent loop other than single_turn) with the features they do not combine with."""
+    if loop is None or loop.extra.get("single_turn"):
+        return []
+    problems = []
+    if cfg.rollout.partial:
+        problems.append(f"rollout.partial: an episode of agent loop {cfg.agent.name!r} is not continued across "
+                        "steps (its tool calls would run twice). Set rollout.partial=false (with "
+                        "trainer.max_staleness >= 1 the next step's episodes still overlap training), or "
+                        "agent.name=single_turn.")
+    if cfg.agent.name == "tool_call" and not cfg.agent.tools:
+        problems.append("agent.tools: agent loop 'tool_call' has no tools to call. Name them, e.g. "
+                        "agent.tools=[calculator] or agent.tools=[python] (`rlx plugins list` shows the tools).")
     return problems
 
 

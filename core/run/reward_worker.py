@@ -40,6 +40,7 @@ class RewardWorker:
             data_sources=list(batch["data_source"]),
             extra_infos=list(batch["extra_info"]),
             response_lengths=[int(n) for n in lengths],
+            messages=list(batch.non_tensors.get("messages", [])),
         )
         out = self.runner.run(rb)
         tensors = {"scores": torch.tensor(out.scores, dtype=torch.float32)}

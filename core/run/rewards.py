@@ -157,7 +157,8 @@ def subset(batch: RewardBatch, idx: Sequence[int]) -> RewardBatch:
         return [values[i] for i in idx] if len(values) == len(batch) else list(values)
 
     return RewardBatch(pick(batch.prompts), pick(batch.responses), pick(batch.ground_truths),
-                       pick(batch.data_sources), pick(batch.extra_infos), pick(batch.response_lengths))
+                       pick(batch.data_sources), pick(batch.extra_infos), pick(batch.response_lengths),
+                       pick(batch.messages))
 
 
 def _as_float(value: Any) -> float | None:

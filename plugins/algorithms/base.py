@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlx.batch import trained_mask
 from rlx.context import BuildContext
 from rlx.errors import UserError, did_you_mean
 from rlx.protocols import AlgorithmNeeds, estimator_requires
@@ -298,7 +299,7 @@ class ActorLoss:
 
         o = self.opts
         log_probs, entropy = outputs["log_probs"], outputs["entropy"]  # (b, R)
-        mask = mb["response_mask"].to(log_probs.dtype)
+        mask = trained_mask(mb).to(log_probs.dtype)
         # Normalise by the whole mini-batch's counts so that summing micro-batch gradients gives
         # exactly the mini-batch gradient.
         norm = minibatch_norm(ctx, mask)
@@ -346,7 +347,7 @@ class CriticLoss:
         from rlx.plugins.algorithms import functional as F
 
         values = outputs["values"]  # (b, R)
-        mask = mb["response_mask"].to(values.dtype)
+        mask = trained_mask(mb).to(values.dtype)
         norm = minibatch_norm(ctx, mask)
         loss, metrics = F.value_loss(values, mb["values"], mb["returns"], mask, clip_range=self.cliprange_value,
                                      agg_mode="token-mean", **norm)
@@ -472,7 +473,7 @@ class PolicyGradient:
                             "log-probs, but this rollout engine returns none (no rollout_log_probs in its batch).",
                             "Use an engine that returns them (hf, vllm, sglang) or leave algorithm.rollout_correction "
                             "out.")
-        mask = batch["response_mask"].float()  # (B, R)
+        mask = trained_mask(batch).float()  # (B, R)
         scores = self.shaped_scores(batch)  # (B,)
         token_scores = F.scores_to_token_rewards(scores, mask)  # (B, R)
         stats: dict[str, float] = {}
@@ -524,7 +525,7 @@ class PolicyGradient:
     def metrics(self, batch: Batch) -> dict[str, float]:
         from rlx.plugins.algorithms import functional as F
 
-        mask = batch["response_mask"].float()
+        mask = trained_mask(batch).float()
         valid = mask.bool()
         out: dict[str, float] = dict(self.stats)
         keys = ["advantages", "returns"] + (["values"] if "values" in batch else [])

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import Component, hookimpl
+from rlx.batch import trained_mask
 from rlx.config import resolve_dtype
 from rlx.context import BuildContext
 from rlx.errors import UserError
@@ -715,7 +716,7 @@ class MegatronWorker:
                     return (out.sum() * 0.0, torch.ones((), dtype=torch.int, device=out.device),
                             {k: v.detach().cpu() for k, v in outputs.items()})
                 loss, metrics = loss_fn(outputs, micro, loss_context)
-                weight = float(micro["response_mask"].sum())
+                weight = float(trained_mask(micro).sum())
                 return loss, torch.ones((), dtype=torch.int, device=out.device), ({k: float(v) for k, v in
                                                                                    metrics.items()}, weight)
 

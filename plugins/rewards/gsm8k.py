@@ -195,7 +195,9 @@ def build(options: Gsm8kOptions | None, ctx: BuildContext | None) -> Callable[[R
         strict_found: list[float] = []
         correct: list[float] = []
         answers: list[str | None] = []
-        for response, truth in zip(batch.responses, batch.ground_truths, strict=True):
+        # An episode's answer is its last assistant turn (tool output never counts as the model's answer).
+        finals = [batch.final_answer(i) for i in range(len(batch.responses))]
+        for response, truth in zip(finals, batch.ground_truths, strict=True):
             score, found, ok, answer = _score(
                 response, truth, opts.method, opts.fallback_flexible, opts.format_score, opts.correct_score
             )

@@ -202,12 +202,13 @@ def build(options: MathOptions | None, ctx: BuildContext | None) -> Callable[[Re
 
     def math_reward(batch: RewardBatch) -> RewardOutput:
         scores, boxed, correct = [], [], []
-        for response, truth in zip(batch.responses, batch.ground_truths, strict=True):
+        finals = [batch.final_answer(i) for i in range(len(batch.responses))]  # an episode's: its last turn
+        for response, truth in zip(finals, batch.ground_truths, strict=True):
             s, found, ok = compute_score(response, truth, equivalent, opts)
             scores.append(float(s))
             boxed.append(float(found))
             correct.append(float(ok))
-        answers = [canonical_answer(last_boxed(r)) for r in batch.responses]
+        answers = [canonical_answer(last_boxed(r)) for r in finals]
         return with_answers(RewardOutput(scores, {"math/correct": correct, "math/boxed": boxed}), answers)
 
     return math_reward

@@ -17,6 +17,13 @@ def test_gsm8k_config_is_valid() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_agent_example_config_is_valid() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rlx", "config", "validate", "--config", str(EXAMPLES / "agent_python_gsm8k.yaml"),
+         "data.train_files=builtin:arith-train"], capture_output=True, text=True, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+
+
 def test_train_tiny_example_runs(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_tiny.py"), "trainer.total_steps=2", "trainer.test_freq=-1",
