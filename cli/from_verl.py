@@ -74,9 +74,64 @@ def _resolve_interpolations(keys: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _trainer_keys(read: verl_shell.ShellRead) -> dict[str, Any]:
-    """The ``KEY=VALUE`` overrides among the trainer's words (``+KEY``/``++KEY`` too; ``~KEY`` deletions);
-    a value that needs a variable nothing sets, or a command rlx will not run, is named with its key."""
+# verl's own config files, which its defaults are: what rlx translates against (docs/from-verl.md).
+_VERL_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def _yaml_keys(path: Path, label: str) -> dict[str, Any]:
+    """A YAML file of verl's Hydra keys, flattened (its ``defaults`` and ``hydra`` sections left out)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"--from-verl {label}: not a text file (it is not UTF-8); a verl YAML config is text.",
+                        "Give the path of a verl YAML config, or a verl command line in quotes.") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--from-verl {label}: cannot read it as YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--from-verl {label}: the top level must be a mapping of verl sections.")
+    return _flatten({k: v for k, v in data.items() if k not in ("defaults", "hydra")})
+
+
+def _config_file(read: verl_shell.ShellRead, notes: list[str] | None) -> dict[str, Any]:
+    """The keys of the config file a script names with ``--config-path``/``--config-name`` (Hydra's own
+    options): verl's multi-turn examples keep settings such as ``multi_turn.enable`` there. Read as data when
+    it is on this machine (the command line's settings win); verl's own configs are its defaults."""
+    options: dict[str, str] = {}
+    words = [w.text for w in read.words]
+    for i, text in enumerate(words):
+        for flag, option in (("--config-path", "path"), ("--config-name", "name"), ("-cp", "path"),
+                             ("-cn", "name")):
+            if text.startswith(flag + "="):
+                options[option] = text.partition("=")[2]
+            elif text == flag and i + 1 < len(words):
+                options[option] = words[i + 1]
+    name, folder = options.get("name", "").strip("'\""), options.get("path", "").strip("'\"")
+    if not name or Path(name).stem in _VERL_CONFIGS:
+        return {}
+    if not os.path.isabs(os.path.expanduser(folder)):  # Hydra: relative to verl's trainer module, not here
+        if notes is not None:
+            notes.append(f"--config-name={name}: its folder ({folder or 'verl/trainer/config'}) is relative to "
+                         "verl's trainer module, so its settings are not read (give --config-path as an absolute "
+                         "path, as verl's scripts do with $(pwd), or give the settings on the command line)")
+        return {}
+    path = Path(os.path.expanduser(folder)) / (name if name.endswith((".yaml", ".yml")) else name + ".yaml")
+    if not path.is_file():
+        if notes is not None:
+            notes.append(f"--config-name={name}: verl's config file {path} is not on this machine, so its settings "
+                         "are not read (run rlx from the folder the script expects, or give them on the command "
+                         "line)")
+        return {}
+    if notes is not None:
+        notes.append(f"--config-name={name}: the settings of {path} are read, under the command line's")
+    return _yaml_keys(path, f"--config-name={name} ({path})")
+
+
+def _trainer_keys(read: verl_shell.ShellRead, notes: list[str] | None = None) -> dict[str, Any]:
+    """The ``KEY=VALUE`` overrides among the trainer's words (``+KEY``/``++KEY`` too; ``~KEY`` deletions),
+    over the keys of the config file the words name; a value that needs a variable nothing sets, or a command
+    rlx will not run, is named with its key."""
     keys: dict[str, Any] = {}
     for word in read.words:
         text = word.text
@@ -101,10 +156,11 @@ def _trainer_keys(read: verl_shell.ShellRead) -> dict[str, Any]:
         raise UserError("--from-verl: the verl command sets no KEY=VALUE settings.",
                         "Give the verl command with its settings, e.g. python3 -m verl.trainer.main_ppo "
                         "data.train_files=... actor_rollout_ref.model.path=...")
-    return _resolve_interpolations(keys)
+    return _resolve_interpolations({**_config_file(read, notes), **keys})
 
 
-def read_verl_source(source: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def read_verl_source(source: str, environ: Mapping[str, str] | None = None,
+                     notes: list[str] | None = None) -> dict[str, Any]:
     """The verl keys a command line (or a YAML file of Hydra keys) sets: ``{dotted key: value}``.
 
     In a command line, ``KEY=VALUE`` words after the program are Hydra overrides (``+KEY``/``++KEY`` too,
@@ -117,25 +173,13 @@ def read_verl_source(source: str, environ: Mapping[str, str] | None = None) -> d
     text = source.strip()
     path = Path(os.path.expanduser(text))
     if "\n" not in text and text.endswith((".yaml", ".yml")) and (path.is_file() or " " not in text):
-        import yaml
-
         if not path.is_file():
             raise UserError(f"--from-verl {text}: no such YAML file.",
                             "Give the path of a verl YAML config, or a verl command line in quotes.")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError:
-            raise UserError(f"--from-verl {text}: not a text file (it is not UTF-8); a verl YAML config is text.",
-                            "Give the path of a verl YAML config, or a verl command line in quotes.") from None
-        except (OSError, yaml.YAMLError) as exc:
-            raise UserError(f"--from-verl {text}: cannot read it as YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"--from-verl {text}: the top level must be a mapping of verl sections.")
-        data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
-        return _resolve_interpolations(_flatten(data))
+        return _resolve_interpolations(_yaml_keys(path, text))
     read = verl_shell.trainer_words(text, environ)  # environ: the variables a script reads (os.environ)
     if read is not None:  # a script or command line that starts verl's trainer: read as bash would expand it
-        return _trainer_keys(read)
+        return _trainer_keys(read, notes)
     try:
         words = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as exc:
@@ -343,7 +387,9 @@ IGNORED: dict[str, str] = {
     "critic.megatron.": "rlx lays the critic out as the actor (backend.*): " + _PLACEMENT,
     AA + "optim.total_training_steps": "filled in by verl at run time",
     RO + "free_cache_engine": _PLACEMENT, RO + "load_format": _PLACEMENT,
-    RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT, RO + "mode": _PLACEMENT,
+    RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT,
+    RO + "mode": "verl's sync or async inference servers: rlx's runner batches the turns of the episodes "
+    "itself; what is sampled is the same",
     RO + "prompt_length": "rlx takes it from data.max_prompt_length",
     RO + "response_length": "rlx takes it from data.max_response_length",
     RO + "calculate_log_probs": "rlx always keeps the engine's log-probs",
@@ -352,7 +398,8 @@ IGNORED: dict[str, str] = {
     "critic.model.tokenizer_path": "the critic uses the policy's tokenizer",
     "reward_model.model.input_tokenizer": "rlx's reward model reads text, through its own chat template",
     "data.truncation": "rlx never truncates a prompt: it drops it (filter_overlong_prompts) or fails",
-    "data.return_raw_chat": "rlx always formats prompts from the chat messages",
+    "data.return_raw_chat": "rlx always formats prompts, and its agent loops their turns, from the chat "
+    "messages",
     "data.return_full_prompt": "rlx always formats prompts from the chat messages",
     "data.dataloader_num_workers": _PLACEMENT,
     "trainer.logger": "", "trainer.n_gpus_per_node": "", "trainer.nnodes": "",
@@ -659,6 +706,9 @@ SPECIAL: dict[str, Special] = {
     "critic.ppo_micro_batch_size": lambda v, t, verl, pm: _deprecated_global(
         v, "critic.ppo_micro_batch_size", verl, t, "critic.micro_batch_size_per_device"),
     "critic.ppo_mini_batch_size": lambda v, t, verl, pm: _critic_mini_batch(v, verl),
+    "actor_rollout_ref.hybrid_engine": lambda v, t, verl, pm: _only_if(
+        _is_true(v), True, "verl without its hybrid engine (separate actor and rollout workers): rlx colocates them, "
+        "or places the engine with launcher.rollout_nproc"),
     "trainer.val_only": lambda v, t, verl, pm: _only_if(bool(v), False, "rlx validates during training only "
                                                                         "(use rlx eval)"),
     "reward_model.reward_manager": lambda v, t, verl, pm: _reward_manager(v),
@@ -781,6 +831,261 @@ def _dapo_key(key: str, verl: dict[str, Any]) -> None:
         raise _Ignored("logging only")
 
 
+# ---------------------------------------------------------------------------------------------
+# Multi-turn rollouts with tool calls (verl's agent loop) -> rlx's agent section
+MT = RO + "multi_turn."
+AGENT = RO + "agent."
+_DOCS_AGENTS = "docs/agents.md"
+# verl's agent-loop registry names (verl/experimental/agent_loop) -> rlx's agent loops.
+AGENT_LOOPS: dict[str, str] = {"single_turn_agent": "single_turn", "tool_agent": "tool_call"}
+# verl's tool-call parsers (multi_turn.format) -> rlx's tool_call formats.
+TOOL_FORMATS: dict[str, str] = {"hermes": "hermes", "llama3_json": "llama3"}
+# verl's truncate sides name the part that is kept (left: the start, right: the end); rlx's the side cut away.
+TRUNCATE_SIDES: dict[str, str] = {"left": "left", "right": "right", "middle": "middle"}  # both name the part kept
+SANDBOX_FUSION = "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
+# verl's tool classes rlx has no tool for -> the missing feature, in one sentence.
+REFUSED_TOOLS: dict[str, str] = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "verl's gsm8k tool scores each answer the model submits against the row's "
+    "ground truth and tells the model its score, so it can try again; rlx has no tool that sees the ground truth",
+    "verl.tools.geo3k_tool.Geo3kTool": "verl's geo3k tool scores each answer the model submits against the row's "
+    "ground truth and tells the model its score, so it can try again; rlx has no tool that sees the ground truth",
+    "verl.tools.image_zoom_in_tool.ImageZoomInTool": "verl's image zoom-in tool returns images, and rlx's agent loops "
+    "are text only",
+    "verl.tools.search_tool.SearchTool": "verl's search tool queries a retrieval service; rlx has no search tool",
+    "verl.tools.mcp_search_tool.MCPSearchTool": "verl's MCP search tool calls tools of an MCP server; rlx has no MCP "
+    "client",
+    "verl.tools.mcp_base_tool.MCPBaseTool": "verl's MCP tool calls tools of an MCP server; rlx has no MCP client",
+}
+# multi_turn.* and agent.* keys that change nothing rlx computes.
+AGENT_IGNORED: dict[str, str] = {
+    MT + "enable": "",  # read by _agent
+    MT + "_target_": "verl's dataclass target", AGENT + "_target_": "verl's dataclass target",
+    MT + "use_inference_chat_template": "not read by verl's agent loop (it belonged to verl's older sglang "
+    "rollout): each turn is appended to the token ids already generated, as rlx's tool_call loop does",
+    MT + "tokenization_sanity_check_mode": "a check of verl's older sglang rollout, not read by its agent loop: "
+    "it changes no token",
+    MT + "num_repeat_rollouts": "not read by verl's agent loop (rollout.n is the number of samples per prompt)",
+    AGENT + "num_workers": "verl's agent-loop worker processes: " + _PLACEMENT,
+}
+
+
+def _is_true(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def _turn_limit(value: Any, key: str) -> int | None:
+    """verl's turn limit: a whole number, where ``null`` and 0 mean no limit (verl tests it for truth)."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Unmapped(f"{value!r} is not a whole number of turns")
+    return value
+
+
+def _agent(verl: dict[str, Any], t: Translation, pm: Any) -> None:
+    """verl's multi-turn settings (``actor_rollout_ref.rollout.multi_turn.*`` and ``.agent.*``) -> rlx's
+    ``agent`` section: the tool_call loop, its limits, its format and the tools of verl's tool config."""
+    keys = [k for k in verl if k.startswith((MT, AGENT))]
+    loop_key = AGENT + "default_agent_loop"
+    default_loop = verl.get(loop_key)
+    on = _is_true(verl.get(MT + "enable"))
+    if default_loop is not None and default_loop not in AGENT_LOOPS:
+        t.unmapped.append((loop_key, f"verl's {default_loop} agent loop: rlx's loops are single_turn (verl's "
+                           "single_turn_agent) and tool_call (tool_agent); another loop is an rlx agent_loop "
+                           f"plugin ({_DOCS_AGENTS})"))
+    elif AGENT_LOOPS.get(default_loop) == "tool_call":
+        on = True
+    if on:
+        source = MT + "enable" if _is_true(verl.get(MT + "enable")) else loop_key
+        t.set("agent.name", "tool_call", source)
+        t.notes.append(f"{source}: rlx's tool_call agent loop for every prompt (verl picks the loop per row from "
+                       f"the data's agent_name column, {default_loop or 'single_turn_agent'} where a row has none)")
+        if default_loop == "single_turn_agent":
+            t.notes.append(f"{loop_key}=single_turn_agent with multi_turn.enable: verl runs the tool loop only for "
+                           "rows whose agent_name says tool_agent; rlx runs it for every row")
+    for key in keys:
+        try:
+            _agent_key(key, verl[key], verl, t, on, pm)
+        except _Ignored as exc:
+            t.ignored.append((key, str(exc)))
+        except _Unmapped as exc:
+            t.unmapped.append((key, str(exc)))
+    if on:
+        _turns(verl, t)
+        for key, target, default in ((MT + "max_parallel_calls", "agent.max_tool_calls", 1),
+                                     (MT + "format", "agent.format", "hermes")):
+            if target not in t.settings and verl.get(key) is None and not any(k == key for k, _ in t.unmapped):
+                t.set(target, default, "verl default")  # verl's default, where rlx's differs
+
+
+def _agent_key(key: str, value: Any, verl: dict[str, Any], t: Translation, on: bool, pm: Any) -> None:
+    if key in AGENT_IGNORED:
+        if AGENT_IGNORED[key]:
+            raise _Ignored(AGENT_IGNORED[key])
+        return
+    if key == AGENT + "default_agent_loop":
+        return  # read by _agent
+    if key == AGENT + "agent_loop_config_path":
+        if value is None:
+            raise _Ignored("null: verl's own agent loops")
+        raise _Unmapped(f"verl's custom agent loops are Python classes ({value}), which rlx never imports from a "
+                        f"verl config; write the loop as an rlx agent_loop plugin ({_DOCS_AGENTS})")
+    if key.startswith(AGENT + "custom_async_server."):
+        if value is None:
+            raise _Ignored("null: verl's own inference server")
+        raise _Unmapped("a custom inference server class of verl's; rlx's engines are its rollout plugins")
+    if key == MT + "interaction_config_path":
+        if value is None:
+            raise _Ignored("null: no simulated user")
+        raise _Unmapped("verl's interactions (a simulated user that answers each assistant turn, and may score it) "
+                        "have no rlx counterpart: rlx's agent loops alternate the model and its tools only")
+    if not key.startswith(MT) or key.removeprefix(MT) not in (
+            "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+            "tool_response_truncate_side", "format", "tool_config_path"):
+        raise _Unmapped("no rlx counterpart")
+    if not on:
+        if key == MT + "tool_config_path" and value is not None:
+            raise _Unmapped("tools without the multi-turn loop: verl then runs its tool loop only for data rows "
+                            "whose agent_name column says tool_agent, which rlx cannot see; add "
+                            f"{MT}enable=True (verl's multi-turn examples set it in their --config-name file)")
+        raise _Ignored("the multi-turn loop is off (multi_turn.enable is not true): verl does not read it")
+    name = key.removeprefix(MT)
+    if name in ("max_assistant_turns", "max_user_turns"):
+        _turn_limit(value, key)  # checked here, combined by _turns
+        return
+    if name == "max_parallel_calls":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _Unmapped(f"{value!r} is not a whole number of calls of at least 1")
+        t.set("agent.max_tool_calls", value, key)
+        t.notes.append(f"{key}={value}: agent.max_tool_calls; verl drops the calls of a turn past it without a "
+                       "word, rlx answers each with an error message")
+    elif name == "max_tool_response_length":
+        if value is None:
+            raise _Ignored("null: rlx's default applies")
+        t.set("agent.max_tool_response_length", value, key)
+    elif name == "tool_response_truncate_side":
+        if value not in TRUNCATE_SIDES:
+            raise _Unmapped(f"verl's truncate sides are left, middle and right, not {value!r}")
+        t.set("agent.tool_response_truncate_side", TRUNCATE_SIDES[value], key)
+    elif name == "format":
+        if value not in TOOL_FORMATS:
+            raise _Unmapped(f"verl's {value} tool-call format; rlx's tool_call loop reads hermes and llama3 "
+                            "(verl's llama3_json) tool calls")
+        t.set("agent.format", TOOL_FORMATS[value], key)
+    elif name == "tool_config_path":
+        _tool_config(value, t, key, pm)
+
+
+def _turns(verl: dict[str, Any], t: Translation) -> None:
+    """verl ends an episode after max_assistant_turns model turns, or once max_user_turns tool turns are
+    answered (the model's next turn is its last): at most min(assistant, user + 1) turns."""
+    limits: list[tuple[int, str]] = []
+    for name, extra in (("max_assistant_turns", 0), ("max_user_turns", 1)):
+        key = MT + name
+        try:
+            limit = _turn_limit(verl.get(key), key)
+        except _Unmapped:
+            return  # reported by _agent_key
+        if limit is not None:
+            limits.append((limit + extra, key))
+    if not limits:
+        t.notes.append(f"{MT}max_assistant_turns and max_user_turns are null (verl's default): verl limits an "
+                       "episode by data.max_response_length alone; rlx's agent.max_turns default of "
+                       f"{_agent_default('max_turns')} applies (give agent.max_turns=N for longer episodes)")
+        return
+    turns, source = min(limits)
+    t.set("agent.max_turns", turns, source)
+    if source == MT + "max_user_turns":
+        t.notes.append(f"{source}={turns - 1}: after {turns - 1} tool turns verl lets the model answer once more, "
+                       f"so agent.max_turns={turns}")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _tool_options(pm: Any, name: str) -> dict[str, Any]:
+    """The option fields of the rlx tool ``name`` ({} when it is not installed)."""
+    try:
+        model = pm.get("tool", name).load_config_model() if pm is not None else None
+    except Exception:
+        return {}
+    return dict(model.model_fields) if model is not None else {}
+
+
+def _agent_default(name: str) -> Any:
+    from rlx.config import AgentConfig
+
+    return AgentConfig.model_fields[name].default
+
+
+def _tool_config(value: Any, t: Translation, key: str, pm: Any) -> None:
+    """verl's tool YAML (``tools: [{class_name, config, tool_schema}]``), read as data (never imported or run):
+    its sandbox-fusion code tool is rlx's python tool; a tool rlx has no counterpart for is named."""
+    if value is None:
+        raise _Ignored("null: no tools")
+    import yaml
+
+    text = os.path.expanduser(str(value))
+    path = Path(text)
+    if not path.exists():
+        raise _Unmapped(f"the tool config {text} is not on this machine; rlx reads it to choose its tools (verl's "
+                        "multi-turn examples expect verl's checkout as the working folder): run rlx where the file "
+                        "is, or leave the key out and set agent.tools=[...] yourself")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"--from-verl: {key}={text}: not a text file (it is not UTF-8); verl's tool config is "
+                        "YAML.", "Give the path of verl's tool config YAML.") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--from-verl: {key}={text}: cannot read it as YAML: {exc}",
+                        "Give the path of verl's tool config YAML.") from None
+    tools = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(tools, list) or not all(isinstance(x, dict) and isinstance(x.get("class_name"), str)
+                                              for x in tools):
+        raise UserError(f"--from-verl: {key}={text}: not a verl tool config: it needs a top-level 'tools' list "
+                        "whose entries name a class_name.", "Give the path of verl's tool config YAML "
+                        "(tools: [{class_name: ..., config: {...}, tool_schema: {...}}]).")
+    names: list[str] = []
+    for tool in tools:
+        cls = tool["class_name"]
+        if cls != SANDBOX_FUSION:
+            why = REFUSED_TOOLS.get(cls, f"{cls} is a Python class of verl's, which rlx never imports from a verl "
+                                    f"config; write the tool as an rlx tool plugin ({_DOCS_AGENTS})")
+            t.unmapped.append((key, f"tool {cls}: {why}"))
+            continue
+        config = tool.get("config") if isinstance(tool.get("config"), dict) else {}
+        language = config.get("default_language", "python")
+        if language != "python":
+            t.unmapped.append((key, f"tool {cls} with default_language={language}: rlx's python tool runs Python"))
+            continue
+        if "python" not in names:
+            names.append("python")
+        options = _tool_options(pm, "python")
+        timeout = config.get("default_timeout")
+        if _positive(timeout) and "timeout_s" in options:  # the program's own limit, as Sandbox Fusion's
+            t.set("tools.python.timeout_s", float(timeout), key)
+            limit = _agent_default("tool_timeout_s")
+            if timeout >= limit:  # the call's limit stays above the program's, so the sandbox ends it first
+                t.set("agent.tool_timeout_s", float(timeout) + 5, key)
+        memory = config.get("memory_limit_mb")
+        if _positive(memory) and "memory_mb" in options and memory >= 64:
+            t.set("tools.python.memory_mb", int(memory), key)
+        elif memory is not None:
+            t.notes.append(f"{key}: verl's memory_limit_mb={memory} is not carried over (rlx's python tool takes "
+                           "tools.python.memory_mb of at least 64)")
+        schema = tool.get("tool_schema") if isinstance(tool.get("tool_schema"), dict) else {}
+        function = schema.get("function") if isinstance(schema.get("function"), dict) else {}
+        shown = f" (verl's schema names it {function['name']})" if isinstance(function.get("name"), str) else ""
+        t.notes.append(f"{key}: verl's sandbox-fusion code tool is rlx's python tool{shown}, shown to the model "
+                       "with rlx's own schema; rlx runs the code in a local bubblewrap sandbox, not on a Sandbox "
+                       "Fusion service (its url, rate limits and workers do not apply)")
+    if names:
+        t.set("agent.tools", names, key)
+    elif not tools:
+        t.ignored.append((key, "the tool config lists no tools"))
+
+
 def _count(verl: dict[str, Any], key: str) -> int:
     """A whole number of nodes or GPUs (1 when unset); anything else is the user's error, named."""
     value = verl.get(key, 1)
@@ -795,8 +1100,8 @@ def _count(verl: dict[str, Any], key: str) -> int:
 def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str, str] | None = None) -> Translation:
     """The rlx settings for a verl command line or script, YAML path, or dict of verl keys (``environ``: the
     environment a script's variables come from, ``os.environ`` by default)."""
-    verl = read_verl_source(source, environ) if isinstance(source, str) else dict(source)
     t = Translation()
+    verl = read_verl_source(source, environ, t.notes) if isinstance(source, str) else dict(source)
     if "algorithm.adv_estimator" not in verl:
         t.set("algorithm.name", "ppo", "verl default")
         t.notes.append("no algorithm.adv_estimator: verl's default is gae, rlx's ppo algorithm")
@@ -816,8 +1121,9 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
     # The engine first: the engine settings that follow map onto its options.
     _rollout_name(verl.get(RO + "name", "vllm"), t, pm)
     _backend(verl, t)
+    _agent(verl, t, pm)
     for key, value in verl.items():
-        if key == RO + "name" or key == AA + "strategy" or key.startswith(MEGATRON):
+        if key == RO + "name" or key == AA + "strategy" or key.startswith((MEGATRON, MT, AGENT)):
             continue
         if key.startswith("~"):
             t.unmapped.append((key, "Hydra key deletion"))

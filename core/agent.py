@@ -71,15 +71,16 @@ class Turn:
 
 
 def truncate(text: str, limit: int, side: str) -> str:
-    """``text`` cut to at most ``limit`` characters, with a marker where it was cut: ``right`` keeps the start,
-    ``left`` the end, ``middle`` both ends."""
+    """``text`` cut to at most ``limit`` characters, with a marker where it was cut. ``side`` names the part kept,
+    as verl's ``tool_response_truncate_side`` does: ``left`` keeps the start, ``right`` the end, ``middle`` both
+    ends."""
     if len(text) <= limit:
         return text
     marker = "...(truncated)..."
     keep = max(limit - len(marker), 0)
-    if side == "right":
-        return (text[:keep] + marker)[:limit]
     if side == "left":
+        return (text[:keep] + marker)[:limit]
+    if side == "right":
         return (marker + text[len(text) - keep:])[-limit:]
     head = keep - keep // 2
     return text[:head] + marker + text[len(text) - keep // 2:] if keep // 2 else text[:head] + marker

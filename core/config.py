@@ -336,7 +336,8 @@ class AgentConfig(ComponentSection):
         "multi_turn.max_tool_response_length); the rest is cut at tool_response_truncate_side. The episode's "
         "tokens, tool outputs included, stay within data.max_response_length.")
     tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
-        "middle", description="Where a long tool result is cut: left keeps its end, right its start, middle both.")
+        "middle", description="Which part of a long tool result is kept (verl's meaning): left its start, right its "
+        "end, middle both ends.")
     tool_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S, description="Seconds one tool call may take; a "
                                   "call past it gets an error turn and counts in agent/tool_timeouts.")
     max_concurrent_tools: int = Field(32, ge=1, le=MAX_WORKERS,

@@ -305,7 +305,9 @@ def test_docs_list_every_key_the_translation_knows():
     from rlx.cli import from_verl
 
     doc = (Path(__file__).parents[2] / "docs" / "from-verl.md").read_text()
-    keys = [*from_verl.DIRECT, *from_verl.SPECIAL, *from_verl.VERL_DEFAULTS, *from_verl.IGNORED]
+    keys = [*from_verl.DIRECT, *from_verl.SPECIAL, *from_verl.VERL_DEFAULTS, *from_verl.IGNORED,
+            *(k for k, why in from_verl.AGENT_IGNORED.items() if why), *from_verl.AGENT_LOOPS,
+            *from_verl.TOOL_FORMATS, *from_verl.REFUSED_TOOLS, from_verl.SANDBOX_FUSION]
     missing = [k for k in keys if f"`{k}`" not in doc and f"`{k}*`" not in doc]
     assert missing == []
 
@@ -342,3 +344,182 @@ def test_train_from_verl_runs_the_translated_job(tmp_path):
     (row,) = read_metrics(out)
     assert row["step"] == 1 and "reward/mean" in row
     assert "from-verl: " in proc.stderr  # the notes are shown
+
+
+# -- multi-turn rollouts with tool calls (verl's agent loop) ----------------------------------------------
+# The multi-turn lines of verl's examples/sglang_multiturn/run_qwen3_4b_dapo_multiturn.sh (ReTool-style DAPO with
+# a code interpreter); its whole script is in tests/data/verl_scripts.
+MULTI_TURN = r"""PROJECT_DIR="$(pwd)"
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.return_raw_chat=True \
+    data.train_batch_size=32 \
+    data.max_prompt_length=2048 \
+    data.max_response_length=16384 \
+    actor_rollout_ref.model.path=font-info/qwen3-4b-sft-SGLang-RL \
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
+    actor_rollout_ref.rollout.name=sglang \
+    actor_rollout_ref.rollout.mode=async \
+    actor_rollout_ref.rollout.multi_turn.enable=True \
+    actor_rollout_ref.rollout.multi_turn.max_user_turns=16 \
+    actor_rollout_ref.rollout.multi_turn.max_assistant_turns=16 \
+    actor_rollout_ref.rollout.multi_turn.tool_config_path=$PROJECT_DIR/recipe/retool/sandbox_fusion_tool_config.yaml \
+    actor_rollout_ref.rollout.multi_turn.format=hermes \
+    actor_rollout_ref.rollout.n=8 \
+    trainer.total_epochs=15 $@
+"""
+# The shape of verl's sandbox-fusion tool config (examples/sglang_multiturn/config/tool_config/).
+SANDBOX_TOOLS = {"tools": [{
+    "class_name": "verl.tools.sandbox_fusion_tools.SandboxFusionTool",
+    "config": {"sandbox_fusion_url": "https://sandbox.example/run_code", "num_workers": 10,
+               "enable_global_rate_limit": True, "rate_limit": 10, "default_timeout": 30,
+               "default_language": "python", "memory_limit_mb": 1024, "type": "native"},
+    "tool_schema": {"type": "function", "function": {
+        "name": "code_interpreter", "description": "A tool for executing code.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}}]}
+MT = "actor_rollout_ref.rollout.multi_turn."
+
+
+def _tool_config(folder: Path, tools: object) -> Path:
+    path = folder / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(tools))
+    return path
+
+
+def test_a_multi_turn_run_with_the_sandbox_code_tool_is_rlxs_tool_call_loop_with_python(home, monkeypatch):
+    monkeypatch.chdir(home)  # verl's multi-turn scripts run from its checkout: $(pwd) holds the tool config
+    _tool_config(home, SANDBOX_TOOLS)
+    t = translate(MULTI_TURN, get_plugin_manager())
+    assert t.unmapped == []
+    s = t.settings
+    assert (s["agent.name"], s["agent.tools"], s["agent.format"]) == ("tool_call", ["python"], "hermes")
+    assert s["agent.max_turns"] == 16  # min(16 assistant turns, 16 tool turns + the answer after them)
+    assert s["agent.max_tool_calls"] == 1  # verl's default max_parallel_calls, where rlx's is 4
+    assert (s["tools.python.timeout_s"], s["tools.python.memory_mb"]) == (30.0, 1024)
+    assert s["agent.tool_timeout_s"] > s["tools.python.timeout_s"]  # the sandbox's own deadline ends a call
+    assert any("bubblewrap" in n and "code_interpreter" in n for n in t.notes)
+    ignored = dict(t.ignored)
+    assert "batches the turns" in ignored["actor_rollout_ref.rollout.mode"]
+    assert "data.return_raw_chat" in ignored
+    from rlx.validate import load_config
+
+    load_config(get_plugin_manager(), overrides=t.overrides(), check_files=False)  # raises with the problems
+    proc = rlx("config", "from-verl", MULTI_TURN, home=home)  # the CLI, from the same folder
+    assert proc.returncode == 0, proc.stderr
+    tree = yaml.safe_load(proc.stdout)
+    assert tree["agent"]["tools"] == ["python"] and tree["tools"]["python"]["memory_mb"] == 1024
+    path = home / "multi_turn.yaml"
+    path.write_text(proc.stdout)
+    check = rlx("config", "validate", "--config", str(path), f"trainer.output_dir={home / 'run'}", home=home)
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize(("given", "turns"), [
+    ({"max_assistant_turns": 5}, 5),
+    ({"max_user_turns": 1}, 2),  # one tool turn, then the model's answer
+    ({"max_assistant_turns": 5, "max_user_turns": 1}, 2),
+    ({"max_assistant_turns": 2, "max_user_turns": 7}, 2),
+    ({"max_assistant_turns": None, "max_user_turns": 0}, None),  # verl: null and 0 are no limit
+])
+def test_turn_limits_are_the_fewest_assistant_turns_either_allows(given, turns):
+    t = translate({MT + "enable": True, **{MT + k: v for k, v in given.items()}}, get_plugin_manager())
+    assert t.unmapped == []
+    assert t.settings.get("agent.max_turns") == turns
+    if turns is None:  # no limit in verl: rlx's default stays, and the note says so
+        assert any("max_assistant_turns and max_user_turns are null" in n for n in t.notes)
+
+
+def test_multi_turn_limits_formats_and_loops_convert_by_meaning():
+    pm = get_plugin_manager()
+    t = translate({MT + "enable": True, MT + "max_parallel_calls": 3, MT + "max_tool_response_length": 500,
+                   MT + "tool_response_truncate_side": "left", MT + "format": "llama3_json",
+                   MT + "use_inference_chat_template": True, MT + "tokenization_sanity_check_mode": "disable",
+                   "actor_rollout_ref.rollout.agent.num_workers": 8}, pm)
+    assert t.unmapped == []
+    s = t.settings
+    assert (s["agent.max_tool_calls"], s["agent.max_tool_response_length"]) == (3, 500)
+    assert s["agent.tool_response_truncate_side"] == "left"  # both keep the start
+    assert s["agent.format"] == "llama3" and "agent.tools" not in s
+    assert {MT + "use_inference_chat_template", MT + "tokenization_sanity_check_mode",
+            "actor_rollout_ref.rollout.agent.num_workers"} <= {k for k, _ in t.ignored}
+    loop = translate({"actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent"}, pm)
+    assert loop.settings["agent.name"] == "tool_call" and loop.unmapped == []
+    single = translate({"actor_rollout_ref.rollout.agent.default_agent_loop": "single_turn_agent",
+                        MT + "format": "hermes"}, pm)
+    assert "agent.name" not in single.settings and single.unmapped == []
+    assert (MT + "format", "the multi-turn loop is off (multi_turn.enable is not true): verl does not read it") \
+        in single.ignored  # verl's grpo_trainer/run_qwen2-7b_seq_balance.sh sets it with no multi-turn
+
+
+def test_what_rlxs_agents_cannot_follow_is_named(tmp_path):
+    pm = get_plugin_manager()
+    t = translate({MT + "enable": True, MT + "format": "gpt-oss",
+                   MT + "interaction_config_path": "interaction.yaml",
+                   "actor_rollout_ref.rollout.agent.agent_loop_config_path": "loops.yaml",
+                   "actor_rollout_ref.rollout.agent.default_agent_loop": "react_agent"}, pm)
+    why = dict(t.unmapped)
+    assert "gpt-oss" in why[MT + "format"] and "simulated user" in why[MT + "interaction_config_path"]
+    assert "docs/agents.md" in why["actor_rollout_ref.rollout.agent.agent_loop_config_path"]
+    assert "react_agent" in why["actor_rollout_ref.rollout.agent.default_agent_loop"]
+    assert "agent.format" not in t.settings
+    tools = _tool_config(tmp_path, {"tools": [
+        {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {"type": "native"}},
+        {"class_name": "verl.tools.search_tool.SearchTool", "config": {}},
+        {"class_name": "my_project.tools.Weather", "config": {}},
+        SANDBOX_TOOLS["tools"][0]]})
+    t = translate({MT + "enable": True, MT + "tool_config_path": str(tools)}, pm)
+    reasons = [why for key, why in t.unmapped if key == MT + "tool_config_path"]
+    assert len(reasons) == 3
+    assert "Gsm8kTool" in reasons[0] and "ground truth" in reasons[0]
+    assert "SearchTool" in reasons[1] and "retrieval" in reasons[1]
+    assert "my_project.tools.Weather" in reasons[2] and "rlx tool plugin" in reasons[2]
+    assert t.settings["agent.tools"] == ["python"]  # --allow-unmapped runs with the tool rlx has
+
+
+def test_tool_configs_are_read_as_data_and_a_bad_one_is_a_user_error(tmp_path):
+    from rlx.errors import UserError
+
+    missing = translate({MT + "enable": True, MT + "tool_config_path": "/placeholder/tools.yaml"})
+    assert "is not on this machine" in dict(missing.unmapped)[MT + "tool_config_path"]
+    binary = tmp_path / "tools.yaml"
+    binary.write_bytes(b"\xff\xfe\x00tools")
+    with pytest.raises(UserError, match=r"tool_config_path=.*tools\.yaml: not a text file"):
+        translate({MT + "enable": True, MT + "tool_config_path": str(binary)})
+    shape = tmp_path / "shape.yaml"
+    shape.write_text("tools: {class_name: x}\n")
+    with pytest.raises(UserError, match=r"shape\.yaml: not a verl tool config"):
+        translate({MT + "enable": True, MT + "tool_config_path": str(shape)})
+    # YAML tags that would build Python objects are never followed (safe_load).
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("tools: !!python/object/apply:os.system ['touch " + str(tmp_path / "ran") + "']\n")
+    with pytest.raises(UserError, match="cannot read it as YAML"):
+        translate({MT + "enable": True, MT + "tool_config_path": str(tagged)})
+    assert not (tmp_path / "ran").exists()
+    off = translate({MT + "tool_config_path": str(binary)})  # no multi-turn loop: verl picks it per data row
+    assert "multi_turn.enable=True" in dict(off.unmapped)[MT + "tool_config_path"]
+
+
+def test_a_scripts_config_name_file_is_read_under_the_command_line(tmp_path, monkeypatch):
+    """verl's multi-turn examples keep multi_turn.enable in their --config-name file."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "examples" / "config"
+    config.mkdir(parents=True)
+    (config / "multiturn_grpo.yaml").write_text(yaml.safe_dump({
+        "hydra": {"searchpath": ["file://verl/trainer/config"]}, "defaults": ["ppo_trainer", "_self_"],
+        "data": {"max_prompt_length": 1024, "train_batch_size": 256},
+        "actor_rollout_ref": {"hybrid_engine": True,
+                              "rollout": {"multi_turn": {"enable": True, "max_assistant_turns": 5}}}}))
+    script = ('CONFIG_PATH="$(pwd)/examples/config"\npython3 -m verl.trainer.main_ppo --config-path="$CONFIG_PATH" '
+              "--config-name='multiturn_grpo' data.train_batch_size=64 "
+              "actor_rollout_ref.rollout.multi_turn.max_user_turns=1")
+    t = translate(script, get_plugin_manager())
+    assert t.unmapped == []
+    s = t.settings
+    assert s["data.train_batch_size"] == 64 and s["data.max_prompt_length"] == 1024  # the command line wins
+    assert s["agent.name"] == "tool_call" and s["agent.max_turns"] == 2
+    assert any(n.startswith("--config-name=multiturn_grpo: the settings of ") for n in t.notes)
+    away = translate(script.replace("multiturn_grpo", "elsewhere"), get_plugin_manager())
+    assert "agent.name" not in away.settings
+    assert any("is not on this machine" in n for n in away.notes)

@@ -246,6 +246,8 @@ EXPECTED = {
     "grpo_trainer__run_qwen3moe-30b_megatron_96gb.sh": "actor_rollout_ref.actor.optim.override_optimizer_config"
                                                        ".optimizer_cpu_offload",
     "ppo_trainer__run_deepseek7b_llm_sandbox_fusion.sh": "reward_model.sandbox_fusion.url",
+    "grpo_trainer__run_qwen2-7b_seq_balance.sh": "valid",  # multi_turn.format with no multi-turn loop: ignored
+    "sglang_multiturn__run_qwen3_4b_dapo_multiturn.sh": "data.custom_cls.path",  # multi-turn, a custom dataset
 }
 
 

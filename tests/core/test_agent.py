@@ -270,7 +270,9 @@ def test_truncate_sides() -> None:
     assert truncate(text, 200, "middle") == text
     for side in ("left", "middle", "right"):
         assert len(truncate(text, 40, side)) == 40
-    assert truncate(text, 40, "right").startswith("a") and truncate(text, 40, "left").endswith("b")
+    assert truncate(text, 40, "left").startswith("a") and truncate(text, 40, "right").endswith("b")
+    assert truncate(text, 40, "left") == "a" * 23 + "...(truncated)..."
+    assert truncate(text, 40, "right") == "...(truncated)..." + "b" * 23
     mid = truncate(text, 40, "middle")
     assert mid.startswith("a") and mid.endswith("b")
 
