@@ -390,6 +390,10 @@ IGNORED: dict[str, str] = {
     RO + "enable_chunked_prefill": _PLACEMENT, RO + "layered_summon": _PLACEMENT,
     RO + "mode": "verl's sync or async inference servers: rlx's runner batches the turns of the episodes "
     "itself; what is sampled is the same",
+    RO + "trace.": "verl's rollout tracing (mlflow, weave): logging only",
+    RO + "server.": "verl's HTTP inference-server client settings (timeouts, retries, connections): " + _PLACEMENT,
+    RO + "sglang_rollout_mode": "verl's in-process or server SGLang: rlx's engines take the same sampling "
+    "parameters either way; " + _PLACEMENT,
     RO + "prompt_length": "rlx takes it from data.max_prompt_length",
     RO + "response_length": "rlx takes it from data.max_response_length",
     RO + "calculate_log_probs": "rlx always keeps the engine's log-probs",
@@ -844,11 +848,10 @@ TOOL_FORMATS: dict[str, str] = {"hermes": "hermes", "llama3_json": "llama3"}
 TRUNCATE_SIDES: dict[str, str] = {"left": "left", "right": "right", "middle": "middle"}  # both name the part kept
 SANDBOX_FUSION = "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
 # verl's tool classes rlx has no tool for -> the missing feature, in one sentence.
+GSM8K_TOOL = "verl.tools.gsm8k_tool.Gsm8kTool"
 REFUSED_TOOLS: dict[str, str] = {
-    "verl.tools.gsm8k_tool.Gsm8kTool": "verl's gsm8k tool scores each answer the model submits against the row's "
-    "ground truth and tells the model its score, so it can try again; rlx has no tool that sees the ground truth",
     "verl.tools.geo3k_tool.Geo3kTool": "verl's geo3k tool scores each answer the model submits against the row's "
-    "ground truth and tells the model its score, so it can try again; rlx has no tool that sees the ground truth",
+    "ground truth and tells the model its score; geo3k's prompts hold images, and rlx's agent loops are text only",
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "verl's image zoom-in tool returns images, and rlx's agent loops "
     "are text only",
     "verl.tools.search_tool.SearchTool": "verl's search tool queries a retrieval service; rlx has no search tool",
@@ -1049,6 +1052,14 @@ def _tool_config(value: Any, t: Translation, key: str, pm: Any) -> None:
     names: list[str] = []
     for tool in tools:
         cls = tool["class_name"]
+        if cls == GSM8K_TOOL:
+            if "calc_gsm8k_reward" not in names:
+                names.append("calc_gsm8k_reward")
+            t.notes.append(f"{key}: verl's gsm8k tool is rlx's calc_gsm8k_reward tool: the model submits an answer "
+                           "and reads whether it matches the row's ground truth (verl's flexible extraction); verl's "
+                           "-0.05 tool reward for a repeated wrong answer is not added (the reward is the reward "
+                           "plugin's, on the final turn)")
+            continue
         if cls != SANDBOX_FUSION:
             why = REFUSED_TOOLS.get(cls, f"{cls} is a Python class of verl's, which rlx never imports from a verl "
                                     f"config; write the tool as an rlx tool plugin ({_DOCS_AGENTS})")

@@ -110,6 +110,7 @@ class Episode:
         self.log_probs: list[float] = []
         self.end: str = "answer"
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "malformed_calls": 0}
+        self._bound: dict[str, Tool | None] = {}
 
     @property
     def budget_left(self) -> int:
@@ -162,7 +163,7 @@ class Episode:
         if i >= lim.max_tool_calls:
             return ToolResult(call.name, f"Error: at most {lim.max_tool_calls} tool calls run per turn; this one "
                               "was not run.", "error", call.id)
-        tool = self._runner.tools.get(call.name)
+        tool = self._tool(call.name)
         if tool is None:
             known = ", ".join(sorted(self._runner.tools)) or "none"
             return ToolResult(call.name, f"Error: there is no tool named {call.name!r} (tools: {known}).",
@@ -170,6 +171,16 @@ class Episode:
         content, error = await self._runner.run_tool(tool, call)
         return ToolResult(call.name, truncate(content, lim.max_tool_response_length, lim.tool_response_truncate_side),
                           error, call.id)
+
+    def _tool(self, name: str) -> Tool | None:
+        """The tool ``name`` for this episode: the built one, or what its ``for_episode(row)`` gave, once."""
+        if name in self._bound:
+            return self._bound[name]
+        tool = self._runner.tools.get(name)
+        if tool is not None and callable(getattr(tool, "for_episode", None)):
+            tool = tool.for_episode(self.row)  # type: ignore[attr-defined]
+        self._bound[name] = tool
+        return tool
 
     def append_messages(self, messages: Sequence[dict[str, Any]]) -> int:
         """Append turns that are not the model's (tool results: ``{"role": "tool", "name": ..., "content": ...}``;
@@ -343,7 +354,8 @@ class EpisodeRunner:
                 value = tool(dict(call.arguments))
                 out: tuple[str, str | None] = (_as_text(value), None)
             except ToolError as exc:
-                out = (f"Error: {exc}", "error")
+                text = str(exc)
+                out = (text if text.startswith("Error") else f"Error: {text}", "error")
             except Exception as exc:  # a tool's bug is the model's tool turn, never the run's crash
                 out = (f"Error: {type(exc).__name__}: {exc}", "error")
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))

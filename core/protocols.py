@@ -365,6 +365,11 @@ class Tool(Protocol):
     at once, each under ``agent.tool_timeout_s``: a tool that blocks on a subprocess should give it its own
     deadline too (the built-in ``python`` tool kills its sandbox). Output past ``agent.max_tool_response_length``
     characters is cut.
+
+    A tool whose calls depend on the episode (the row's ground truth, a session kept across turns) also has
+    ``for_episode(row) -> Tool``: the runner calls it once per episode, at its first call of the tool, with the
+    prompt's data (``ground_truth``, ``data_source``, ``extra_info``), and sends that episode's calls to the
+    tool it returns (the built-in ``calc_gsm8k_reward`` does).
     """
 
     def schema(self) -> dict[str, Any]: ...

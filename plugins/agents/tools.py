@@ -274,6 +274,69 @@ def build_python(options: PythonToolOptions | None, ctx: object) -> PythonTool:
     return PythonTool(opts, sandbox, limits)
 
 
+class Gsm8kAnswerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _gsm8k_number(text: str) -> str | None:
+    """The last number of ``text`` (commas and a trailing ``.0`` dropped), as GSM8K answers are compared."""
+    found = _LAST_NUMBER.findall(text.replace("$", ""))
+    if not found:
+        return None
+    number = found[-1].replace(",", "").rstrip(".")
+    return number[:-2] if number.endswith(".0") else number
+
+
+class Gsm8kAnswer:
+    """``calc_gsm8k_reward``, as verl's gsm8k tool: the model submits its answer (``{"answer": "72"}``) and reads
+    back whether it is right, so it can try again. Bound to each episode's ground truth (``for_episode``); the
+    answer is compared as the last number, the way verl's ``flexible`` extraction does. The reward of the run is
+    still the reward plugin's, on the final turn."""
+
+    name = "calc_gsm8k_reward"
+
+    def __init__(self, truth: str | None = None) -> None:
+        self.truth = truth
+
+    def schema(self) -> dict[str, Any]:
+        return _schema(self.name, "A tool for calculating the reward of gsm8k: submit the answer to the question, "
+                       "get back its reward (1.0 right, 0.0 wrong).", "answer", "The answer to the question")
+
+    def for_episode(self, row: dict[str, Any]) -> Gsm8kAnswer:
+        truth = row.get("ground_truth")
+        text = str(truth) if truth is not None else ""
+        if "####" in text:  # a whole GSM8K solution as the ground truth
+            text = text.rsplit("####", 1)[1]
+        return Gsm8kAnswer(_gsm8k_number(text))
+
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        if not isinstance(arguments, dict) or "answer" not in arguments:
+            raise ToolError('Error: calc_gsm8k_reward takes one argument: {"answer": "<the answer>"}.')
+        answer = arguments["answer"]
+        answer = answer if isinstance(answer, str) else json_text(answer)
+        if self.truth is None:
+            raise ToolError("Error: this question has no ground truth to compare with.")
+        got = _gsm8k_number(answer[5:] if answer.startswith("#### ") else answer)
+        reward = 1.0 if got is not None and got == self.truth else 0.0
+        return f"Current parsed answer={answer!r} reward={reward}"
+
+
+def json_text(value: object) -> str:
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def build_gsm8k_answer(options: Gsm8kAnswerOptions | None, ctx: object) -> Gsm8kAnswer:
+    return Gsm8kAnswer()
+
+
 @hookimpl
 def rlx_tools() -> list[Component]:
     here = "rlx.plugins.agents.tools"
@@ -285,4 +348,8 @@ def rlx_tools() -> list[Component]:
         Component(kind="tool", name="python", factory=f"{here}:build_python", config_model=f"{here}:PythonToolOptions",
                   summary="Runs a Python program in the bubblewrap sandbox (no network, limits) and returns its "
                           "output."),
+        Component(kind="tool", name="calc_gsm8k_reward", factory=f"{here}:build_gsm8k_answer",
+                  config_model=f"{here}:Gsm8kAnswerOptions",
+                  summary="verl's gsm8k tool: the model submits an answer and reads whether it matches the row's "
+                          "ground truth."),
     ]

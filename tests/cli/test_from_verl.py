@@ -471,11 +471,12 @@ def test_what_rlxs_agents_cannot_follow_is_named(tmp_path):
         SANDBOX_TOOLS["tools"][0]]})
     t = translate({MT + "enable": True, MT + "tool_config_path": str(tools)}, pm)
     reasons = [why for key, why in t.unmapped if key == MT + "tool_config_path"]
-    assert len(reasons) == 3
-    assert "Gsm8kTool" in reasons[0] and "ground truth" in reasons[0]
-    assert "SearchTool" in reasons[1] and "retrieval" in reasons[1]
-    assert "my_project.tools.Weather" in reasons[2] and "rlx tool plugin" in reasons[2]
-    assert t.settings["agent.tools"] == ["python"]  # --allow-unmapped runs with the tool rlx has
+    assert len(reasons) == 2
+    assert "SearchTool" in reasons[0] and "retrieval" in reasons[0]
+    assert "my_project.tools.Weather" in reasons[1] and "rlx tool plugin" in reasons[1]
+    # verl's gsm8k answer tool is rlx's calc_gsm8k_reward; --allow-unmapped runs with the tools rlx has
+    assert t.settings["agent.tools"] == ["calc_gsm8k_reward", "python"]
+    assert any("calc_gsm8k_reward" in n for n in t.notes)
 
 
 def test_tool_configs_are_read_as_data_and_a_bad_one_is_a_user_error(tmp_path):
