@@ -306,3 +306,24 @@ def test_tool_tokens_get_no_gradient_in_the_actor_loss(tok: Any) -> None:
     del cut.tensors["loss_mask"]
     loss_cut, _ = ActorLoss(opts)({"log_probs": log_probs.detach(), "entropy": entropy.detach()}, cut, ctx)
     assert float(loss_cut) == pytest.approx(float(loss.detach()), rel=1e-12)
+
+
+def test_a_tool_is_bound_to_each_episode_once(tok: Any) -> None:
+    """``for_episode(row)``: each episode's calls reach the tool bound to its own row (here, its ground truth)."""
+    from rlx.plugins.agents.tools import Gsm8kAnswer
+
+    bound: list[dict[str, Any]] = []
+
+    class Checker(Gsm8kAnswer):
+        def for_episode(self, row: dict[str, Any]) -> Gsm8kAnswer:
+            bound.append(row)
+            return super().for_episode(row)
+
+    answer = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "5"}}</tool_call>'
+    engine = ScriptedEngine(tok, lambda c: answer if c.count("<tool_response>") < 2 else "#### 5")
+    batch = prompts(tok, ["q", "r"])
+    batch.non_tensors["ground_truth"] = ["5", "Three and two... #### 6"]
+    out = runner(tok, engine, {"calc_gsm8k_reward": Checker()}).run(batch, SamplingParams(n=1, max_tokens=400))
+    assert [r["ground_truth"] for r in bound] == ["5", "Three and two... #### 6"]  # once per episode
+    results = [[m["content"] for m in msgs if m["role"] == "tool"] for msgs in out["messages"]]
+    assert results == [["Current parsed answer='5' reward=1.0"] * 2, ["Current parsed answer='5' reward=0.0"] * 2]
