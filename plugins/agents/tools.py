@@ -29,6 +29,7 @@ import ast
 import math
 import operator
 import re
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -104,7 +105,9 @@ class Calculator:
         if len(text) > self.options.max_length:
             raise ToolError(f"Error: the expression is longer than {self.options.max_length} characters.")
         try:
-            tree = ast.parse(text, mode="eval")
+            with warnings.catch_warnings():  # "47a" warns of an invalid literal on stderr: the model's text, not ours
+                warnings.simplefilter("ignore", SyntaxWarning)
+                tree = ast.parse(text, mode="eval")
         except SyntaxError as exc:
             raise ToolError(f"Error: invalid expression ({exc.msg}).") from None
         except (ValueError, RecursionError, MemoryError):  # a null byte; nesting the parser cannot hold

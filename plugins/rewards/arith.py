@@ -1,4 +1,7 @@
-"""The ``arith`` reward of the built-in task: is the response's first number the right sum?
+"""The ``arith`` reward of the built-in tasks: is the response's first number the right sum?
+
+For a multi-turn episode (tool calls) the final answer is scored: the content of its last assistant turn
+(``RewardBatch.final_answer``).
 
 The response must start with a number. A right answer scores 1; anything else scores 0 (exact match,
 the default), or with ``distance_penalty > 0`` a wrong number scores
@@ -47,7 +50,8 @@ def build(options: ArithOptions | None, ctx: object) -> object:
     opts = options or ArithOptions()
 
     def arith_reward(batch: RewardBatch) -> RewardOutput:
-        scores = [score(r, gt, opts) for r, gt in zip(batch.responses, batch.ground_truths)]
+        # An episode's final answer (its last assistant turn); a single-turn response as it is.
+        scores = [score(batch.final_answer(i), gt, opts) for i, gt in enumerate(batch.ground_truths)]
         return RewardOutput(scores, {"arith/correct": [float(s == 1.0) for s in scores]})
 
     return arith_reward

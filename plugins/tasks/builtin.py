@@ -11,9 +11,21 @@ data. Refer to them in a config as ``builtin:NAME``:
   single digits ("What is 3+4?" -> "7"), every answer equally common, scored by the ``arith`` reward;
 - ``builtin:arith-pref-train`` / ``builtin:arith-pref-test``  preference pairs on the same questions for
   ``rlx rm train``: the correct sum chosen, a wrong digit rejected (:func:`arith_pref_rows`).
+- ``builtin:tiny-qwen2-tools``  a 2-layer Qwen2 for multi-turn tool use, with its own byte-level BPE
+  tokenizer (:func:`build_tools_tokenizer`: every digit a token of its own, the tool-call JSON a few tokens,
+  ``<tool_call>`` and ``<tool_response>`` as added tokens, a chat template in Qwen2.5's shape) and a
+  supervised warm start (:func:`tools_warm_start`): to "What is A+B?" (two-digit A and B) it calls the
+  ``calculator`` tool half the time, copying the expression, and otherwise guesses a number; after the
+  tool's reply it copies the result half the time and otherwise guesses. Its sampled exact-match reward is about
+  0.12, and calling the tool and copying what it returns is what reinforcement learning has to add;
+- ``builtin:tools-train`` / ``builtin:tools-test``  the questions of that task, "What is A+B?" with A and B
+  in 10-49 and every sum (20-98) equally common (:func:`tools_rows`), scored by the ``arith`` reward on the
+  episode's final answer.
 
-The warm start runs once, when the model is first written (about 5 s on one core), and is cached
-with the rest; delete the cache folder (:func:`cache_dir`) to write everything again.
+The warm starts run once, when a model is first written (about 5 s on one core for ``tiny-qwen2``,
+about 30 s for ``tiny-qwen2-tools``), and are cached with the rest; delete the cache folder
+(:func:`cache_dir`) to write everything again. The tool-use resources have a version of their own
+(``TOOLS_VERSION``, a sub-folder of the cache), so changing them leaves the other resources as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ CHAT_TEMPLATE = (
 # untrained model has wrong answers to unlearn.
 ALPHABET = list("0123456789+-=?.,:# abcdefghijklmnopqrstuvwxyzWAS\n")
 VOCAB_SIZE = 64
-RESOURCES = ("tiny-qwen2", "arith-train", "arith-test", "arith-pref-train", "arith-pref-test")
+TOOLS_RESOURCES = ("tiny-qwen2-tools", "tools-train", "tools-test")
+RESOURCES = ("tiny-qwen2", "arith-train", "arith-test", "arith-pref-train", "arith-pref-test", *TOOLS_RESOURCES)
 VERSION = 2
 # Initial weights' std: HF's default of 0.02 suits wide models; at width 64 it leaves the attention
 # nearly uniform and its gradients tiny, and learning to read the question's digits stalls for hundreds
@@ -65,10 +78,13 @@ def resolve(ref: str) -> str:
 
         raise UserError(f"Unknown built-in resource {ref!r}.{did_you_mean(name, RESOURCES)} "
                         f"Built-ins: {', '.join(PREFIX + r for r in RESOURCES)}")
-    target = cache_dir() / (name if name == "tiny-qwen2" else f"{name}.parquet")
+    folder = cache_dir() / f"tools-v{TOOLS_VERSION}" if name in TOOLS_RESOURCES else cache_dir()
+    target = folder / (name if name.startswith("tiny-qwen2") else f"{name}.parquet")
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         writer = (_write_tiny_model if name == "tiny-qwen2"
+                  else _write_tools_model if name == "tiny-qwen2-tools"
+                  else _write_tools_data if name.startswith("tools-")
                   else _write_arith_pref if name.startswith("arith-pref-") else _write_arith)
         _atomic_write(target, lambda tmp: writer(tmp, name))
     return str(target)
@@ -229,4 +245,215 @@ def _write_arith_pref(path: Path, name: str) -> None:
 
     split = name.rsplit("-", 1)[1]
     rows = arith_pref_rows(split, 2048 if split == "train" else 200, seed=2 if split == "train" else 3)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+# -- Tool use: builtin:tiny-qwen2-tools, builtin:tools-train, builtin:tools-test -------------------------------
+# Versioned apart from VERSION (a sub-folder of the cache): changing these leaves the other resources as they are.
+TOOLS_VERSION = 1
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2.5's shape: a tool's reply is a user turn wrapped in <tool_response>; `tools=` is ignored.
+TOOLS_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Characters of the tokenizer's base alphabet. The digits are in it but never in the BPE training text,
+# so no merge contains a digit: every number is spelled digit by digit, in a question, a tool call or a reply.
+TOOLS_ALPHABET = "0123456789+-*/=?.,:#()[]{}\"'_<> \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# What the BPE merges are trained on (no digits): the chat roles, the question and the tool call's JSON
+# skeleton, so that a call to the calculator is 24 tokens.
+TOOLS_BPE_TEXT = ['\n{"name": "calculator", "arguments": {"expression": "+"}}\n', "user\nWhat is +?", "assistant\n"]
+TOOLS_OPERANDS = (10, 49)  # A and B; sums 20-98, always two digits
+TOOLS_SUMS = (TOOLS_OPERANDS[0] * 2, TOOLS_OPERANDS[1] * 2)
+TOOLS_WARM_START_STEPS = 400
+TOOLS_WARM_START_BATCH = 32
+
+
+def _byte_level(text: str) -> list[str]:
+    """The characters byte-level BPE uses for the bytes of ``text`` (GPT-2's byte-to-unicode map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in table)})
+    return sorted({table[b] for b in text.encode()})
+
+
+def build_tools_tokenizer():
+    """The byte-level BPE tokenizer of ``builtin:tiny-qwen2-tools`` (143 tokens): single-digit tokens, the
+    tool call's JSON skeleton merged into a few tokens, the special tokens of :func:`build_tokenizer` and,
+    as Qwen2.5 has them, ``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and ``</tool_response>`` as
+    added tokens that are not special (``decode(..., skip_special_tokens=True)`` keeps them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=_byte_level(TOOLS_ALPHABET), show_progress=False)
+    tok.train_from_iterator(TOOLS_BPE_TEXT, trainer=trainer)  # learns every merge the text has (< 1024)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False,
+    )
+    fast.add_tokens(TOOL_TOKENS)
+    fast.chat_template = TOOLS_CHAT_TEMPLATE
+    return fast
+
+
+def tool_call_text(expression: str) -> str:
+    """An assistant turn that calls the calculator (hermes / Qwen2.5 format), without its end of turn."""
+    return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
+
+
+def tool_turn_text(result: str) -> str:
+    """What follows an assistant's ``<|im_end|>`` when a tool replies: the tool's turn and the next prompt."""
+    return f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def tools_pair(rng: random.Random, total: int | None = None) -> tuple[int, int]:
+    """Operands (A, B) in TOOLS_OPERANDS with the sum ``total``, or a sum drawn uniformly (every sum equally common)."""
+    low, high = TOOLS_OPERANDS
+    total = rng.randint(*TOOLS_SUMS) if total is None else total
+    a = rng.randint(max(low, total - high), min(high, total - low))
+    return a, total - a
+
+
+def tools_episode_ids(tok, a: int, b: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The token ids of a right episode on "What is a+b?": the prompt, the tool call (ending in <|im_end|>),
+    the tool's turn (:func:`tool_turn_text`) and the answer (ending in <|im_end|>)."""
+    eos = tok.eos_token_id
+    prompt = _question_ids(tok, f"What is {a}+{b}?")
+    call = [*tok.encode(tool_call_text(f"{a}+{b}"), add_special_tokens=False), eos]
+    turn = tok.encode(tool_turn_text(str(a + b)), add_special_tokens=False)
+    answer = [*tok.encode(str(a + b), add_special_tokens=False), eos]
+    return prompt, call, turn, answer
+
+
+def _write_tools_model(path: Path, _name: str) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tools_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id, initializer_range=INIT_STD,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    tools_warm_start(model, tok)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def tools_warm_start(model, tok, steps: int = TOOLS_WARM_START_STEPS, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Teach the episode's format and copying, not when to use them: a short supervised run on episodes of
+    "What is A+B?" whose targets are mixtures where the policy has a choice.
+
+    - The first token of the first turn: ``<tool_call>`` with probability 1/2, else a guess's first digit
+      (a guess is uniform over 20-99). After ``<tool_call>`` the call is taught token by token, its
+      expression copied from the question; after a guess's first digit, any second digit, then the end.
+    - After the tool's turn (which holds the true sum S): S's first digit with probability 1/2, else a guess's;
+      after S's first digit copied, S's second, after a guess's any digit, then the end.
+
+    Soft labels at the choices make the model's sampling distribution land near those probabilities: it
+    calls the tool about half the time and copies the expression when it does (measured: 0.5, 0.93);
+    the copy of the result is learnt less far in these steps (sampled, it copies about 1 time in 4, not 2),
+    so its expected exact-match reward starts near 0.12. Greedy decoding already calls and copies.
+    Returns the loss curve.
+    """
+    import torch
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = len(tok)
+    digit = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
+    lead = digit[TOOLS_SUMS[0] // 10:]  # a guess's first digit: 2-9
+    call_id = tok.convert_tokens_to_ids("<tool_call>")
+
+    def soft(ids: torch.Tensor, weight: float) -> torch.Tensor:  # weight on each of `ids`, as a (vocab,) row
+        return torch.zeros(vocab).index_fill_(0, ids, weight)
+
+    first_target = soft(lead, 0.5 / len(lead)) + soft(torch.tensor([call_id]), 0.5)
+    any_digit = soft(digit, 0.1)
+    any_lead = soft(lead, 1.0 / len(lead))
+    episodes = [tools_episode_ids(tok, *tools_pair(rng)) for _ in range(steps * TOOLS_WARM_START_BATCH)]
+    p_len, c_len, t_len = (len(x) for x in episodes[0][:3])
+    rows = torch.tensor([[t for part in e for t in part] for e in episodes])  # (n, L): all one length
+    q = p_len + c_len + t_len  # the answer's first token
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # Linear decay to 0: the mixtures settle instead of swinging with each batch's draws.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
+    losses = []
+    model.train()
+    for step in range(steps):
+        ids = rows[step * TOOLS_WARM_START_BATCH:(step + 1) * TOOLS_WARM_START_BATCH].clone()
+        n = len(ids)
+        s1, s2 = ids[:, q], ids[:, q + 1]
+        copy = torch.rand(n, generator=gen) < 0.5
+        guess1 = lead[torch.randint(len(lead), (n,), generator=gen)]
+        guess2 = digit[torch.randint(10, (n,), generator=gen)]
+        ids[:, q] = torch.where(copy, s1, guess1)
+        ids[:, q + 1] = torch.where(copy, s2, guess2)
+        # The prompt, a guess, <|im_end|>:
+        direct = torch.cat([ids[:, :p_len], guess1[:, None], guess2[:, None], ids[:, -1:]], dim=1)
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)  # (n, L, V)
+        logp_direct = torch.log_softmax(model(input_ids=direct).logits[:, p_len:].float(), dim=-1)  # (n, 3, V)
+
+        def hard(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # summed over positions, mean over rows
+            return -lp.gather(-1, targets[..., None]).squeeze(-1).sum(-1).mean()
+
+        answer_first = 0.5 * torch.nn.functional.one_hot(s1, vocab) + 0.5 * any_lead
+        answer_second = torch.where(copy[:, None], torch.nn.functional.one_hot(s2, vocab).float(), any_digit)
+        loss = (
+            -(logp[:, p_len - 1] * first_target).sum(-1).mean()
+            + hard(logp[:, p_len:p_len + c_len - 1], ids[:, p_len + 1:p_len + c_len])  # the call, then <|im_end|>
+            - (logp[:, q - 1] * answer_first).sum(-1).mean()
+            - (logp[:, q] * answer_second).sum(-1).mean()
+            + hard(logp[:, q + 1:q + 2], ids[:, q + 2:q + 3])  # <|im_end|> after the answer
+            - (logp_direct[:, 0] * any_digit).sum(-1).mean()  # a guess's second digit
+            + hard(logp_direct[:, 1:2], direct[:, -1:])  # <|im_end|> after a guess
+        )
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def tools_rows(split: str, count: int, seed: int) -> list[dict]:
+    """Prompts "What is A+B?" with A, B in 10-49, in the verl row shape, for the tool-use task.
+
+    The sum is drawn uniformly from 20-98 (the test split takes each in turn) and then a pair that makes
+    it, so a policy that answers without the tool gains nothing from favouring one number.
+    """
+    rng = random.Random(seed)
+    low, high = TOOLS_SUMS
+    rows = []
+    for i in range(count):
+        a, b = tools_pair(rng, None if split == "train" else low + i % (high - low + 1))
+        rows.append({
+            "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+            "data_source": "rlx/tools",
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b},
+        })
+    return rows
+
+
+def _write_tools_data(path: Path, name: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    split = name.split("-")[1]
+    rows = tools_rows(split, 2048 if split == "train" else 100, seed=4 if split == "train" else 5)
     pq.write_table(pa.Table.from_pylist(rows), path)
