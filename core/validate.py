@@ -226,22 +226,18 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     for section, (name, given) in view.sections.items():
         options[section] = _component_options(pm, COMPONENT_SECTIONS[section], name, given, section,
                                               _core_keys(section), problems, check_requirements=check_files)
-    for name in view.loggers:
-        options[f"loggers.{name}"] = _component_options(
-            pm, "logger", name, dict(view.logger_options.get(name, {})), f"loggers.{name}", [], problems,
-            name_path="trainer.loggers", check_requirements=check_files)
-    for name in view.logger_options:
-        if name not in view.loggers:
-            problems.append(f"loggers.{name}: options for a logger that is not on; add it to trainer.loggers "
-                            f"(now {view.loggers})")
-    for name in view.tools:
-        options[f"tools.{name}"] = _component_options(
-            pm, "tool", name, dict(view.tool_options.get(name, {})), f"tools.{name}", [], problems,
-            name_path="agent.tools", check_requirements=check_files)
-    for name in view.tool_options:
-        if name not in view.tools:
-            problems.append(f"tools.{name}: options for a tool that is not on; add it to agent.tools "
-                            f"(now {view.tools})")
+    # Components picked by a list (trainer.loggers, agent.tools) whose options live under loggers.NAME / tools.NAME.
+    for kind, section, names, given, listed_in in (
+            ("logger", "loggers", view.loggers, view.logger_options, "trainer.loggers"),
+            ("tool", "tools", view.tools, view.tool_options, "agent.tools")):
+        for name in names:
+            options[f"{section}.{name}"] = _component_options(
+                pm, kind, name, dict(given.get(name, {})), f"{section}.{name}", [], problems,
+                name_path=listed_in, check_requirements=check_files)
+        for name in given:
+            if name not in names:
+                problems.append(f"{section}.{name}: options for a {kind} that is not on; add it to {listed_in} "
+                                f"(now {names})")
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
                         "add --preset tiny for the built-in tiny job's model and data (a --config file replaces "

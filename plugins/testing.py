@@ -545,3 +545,72 @@ class RolloutEngineContract:
             lp, _ = response_log_probs(model, out, temperature, with_entropy=False)
         mask = out["response_mask"].bool()
         torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask].float(), atol=self.logprob_atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent loops and tools (rlx.agent): a scripted engine, a real tokenizer with a Qwen2.5-shaped template, prompts.
+AGENT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def agent_tokenizer(corpus: str) -> Any:
+    """A byte-level BPE tokenizer (every byte encodable) trained on ``corpus``, with Qwen2.5's special and tool
+    tokens (``<tool_call>`` etc. added as Qwen2.5 has them, not special) and :data:`AGENT_TEMPLATE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    t.train_from_iterator([corpus] * 8, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    fast.chat_template = AGENT_TEMPLATE
+    return fast
+
+
+class ScriptedEngine:
+    """A ``RolloutEngine.generate`` for agent-loop tests: its reply to each row is ``reply(conversation so far as
+    text)`` followed by the end-of-turn token (``stop=False``: no end-of-turn token, the reply runs to the turn's
+    budget); each token's log-prob is -0.5. ``calls`` records the batch size of every call."""
+
+    def __init__(self, tok: Any, reply: Any, stop: bool = True) -> None:
+        self.tok, self.reply, self.stop = tok, reply, stop
+        self.calls: list[int] = []
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        assert params.n == 1
+        self.calls.append(len(prompts))
+        rows = []
+        for ids, mask in zip(prompts["input_ids"].tolist(), prompts["attention_mask"].tolist()):
+            context = self.tok.decode([t for t, m in zip(ids, mask) if m])
+            out = self.tok(self.reply(context), add_special_tokens=False)["input_ids"]
+            out = [*out, self.tok.eos_token_id] if self.stop else out * params.max_tokens
+            rows.append(out[: params.max_tokens])
+        width = max(len(r) for r in rows)
+        responses = torch.full((len(rows), width), self.tok.pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            responses[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        return Batch({"prompts": prompts["input_ids"], "prompt_mask": prompts["attention_mask"],
+                      "responses": responses, "response_mask": mask, "rollout_log_probs": -0.5 * mask.float()})
+
+
+def prompt_batch(tok: Any, questions: list[str], ground_truth: str = "") -> Batch:
+    """Left-padded chat prompts of one user turn each, with a ``ground_truth`` column."""
+    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in questions]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return Batch({"input_ids": ids, "attention_mask": mask}, {"ground_truth": [ground_truth] * len(rows)})

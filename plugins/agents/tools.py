@@ -319,21 +319,12 @@ class Gsm8kAnswer:
         if not isinstance(arguments, dict) or "answer" not in arguments:
             raise ToolError('Error: calc_gsm8k_reward takes one argument: {"answer": "<the answer>"}.')
         answer = arguments["answer"]
-        answer = answer if isinstance(answer, str) else json_text(answer)
+        answer = answer if isinstance(answer, str) else str(answer)  # as verl's tool does
         if self.truth is None:
             raise ToolError("Error: this question has no ground truth to compare with.")
         got = _gsm8k_number(answer[5:] if answer.startswith("#### ") else answer)
         reward = 1.0 if got is not None and got == self.truth else 0.0
         return f"Current parsed answer={answer!r} reward={reward}"
-
-
-def json_text(value: object) -> str:
-    import json
-
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 def build_gsm8k_answer(options: Gsm8kAnswerOptions | None, ctx: object) -> Gsm8kAnswer:

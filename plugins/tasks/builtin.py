@@ -127,24 +127,28 @@ def build_tokenizer():
     return fast
 
 
-def _write_tiny_model(path: Path, _name: str) -> None:
+def _write_model(path: Path, tok, warm_start, heads: int, kv_heads: int) -> None:
+    """A 2-layer, 64-wide Qwen2 for ``tok``, initialised from seed 0, given its warm start, saved with ``tok``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = build_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id, initializer_range=INIT_STD,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    format_warm_start(model, tok)
+    warm_start(model, tok)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
+
+
+def _write_tiny_model(path: Path, _name: str) -> None:
+    _write_model(path, build_tokenizer(), format_warm_start, heads=2, kv_heads=1)
 
 
 def _question_ids(tok, question: str) -> list[int]:
@@ -333,23 +337,7 @@ def tools_episode_ids(tok, a: int, b: int) -> tuple[list[int], list[int], list[i
 
 
 def _write_tools_model(path: Path, _name: str) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = build_tools_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id, initializer_range=INIT_STD,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    tools_warm_start(model, tok)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    _write_model(path, build_tools_tokenizer(), tools_warm_start, heads=4, kv_heads=4)
 
 
 def tools_warm_start(model, tok, steps: int = TOOLS_WARM_START_STEPS, lr: float = 3e-3, seed: int = 0) -> list[float]:

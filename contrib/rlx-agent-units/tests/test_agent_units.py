@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from rlx.agent import AgentLimits, EpisodeRunner, episode_metrics, render_after_turn
 from rlx.batch import Batch
+from rlx.plugins.testing import ScriptedEngine, agent_tokenizer, prompt_batch
 from rlx.protocols import AgentLoop, SamplingParams, Tool, ToolError
 from rlx.registry import PluginManager
 
@@ -134,70 +134,14 @@ def test_options_forbid_unknown_keys_bound_numbers_and_describe_every_field():
 
 
 # -- the check_once loop through rlx's episode runner ---------------------------------------------------------------
-TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
-    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    t.train_from_iterator(['{"name": "units", "arguments": {"value": 3, "from": "km", "to": "mi"}} user '
-                           'assistant tool_response Check your answer once more'] * 8, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    fast.chat_template = TEMPLATE
-    return fast
-
-
-class ScriptedEngine:
-    """``RolloutEngine.generate`` whose reply to each row is ``reply(conversation so far as text)`` and the
-    end-of-turn token (``stop=False``: no end-of-turn token, the reply fills the turn's budget); log-probs -0.5.
-    Records the batch size of every call."""
-
-    def __init__(self, tok: Any, reply: Any, stop: bool = True) -> None:
-        self.tok, self.reply, self.stop = tok, reply, stop
-        self.calls: list[int] = []
-
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        assert params.n == 1
-        self.calls.append(len(prompts))
-        rows = []
-        for ids, mask in zip(prompts["input_ids"].tolist(), prompts["attention_mask"].tolist()):
-            context = self.tok.decode([t for t, m in zip(ids, mask) if m])
-            out = self.tok(self.reply(context), add_special_tokens=False)["input_ids"]
-            out = [*out, self.tok.eos_token_id] if self.stop else out * params.max_tokens
-            rows.append(out[: params.max_tokens])
-        width = max(len(r) for r in rows)
-        responses = torch.full((len(rows), width), self.tok.pad_token_id)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            responses[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
-        return Batch({"prompts": prompts["input_ids"], "prompt_mask": prompts["attention_mask"],
-                      "responses": responses, "response_mask": mask, "rollout_log_probs": -0.5 * mask.float()})
+    return agent_tokenizer('{"name": "units", "arguments": {"value": 3, "from": "km", "to": "mi"}} user '
+                           'assistant tool_response Check your answer once more')
 
 
 def prompts(tok: Any, questions: list[str]) -> Batch:
-    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for q in questions]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return Batch({"input_ids": ids, "attention_mask": mask}, {"ground_truth": ["1.86"] * len(rows)})
+    return prompt_batch(tok, questions, "1.86")
 
 
 def runner(tok: Any, engine: ScriptedEngine, **limits: Any) -> EpisodeRunner:
