@@ -5,11 +5,14 @@
 Reads every ``examples/**.sh`` and ``recipe/**.sh`` of a verl checkout (or a bare git directory, read
 at HEAD) that starts ``verl.trainer.main_ppo``, translates it as ``rlx config from-verl`` does, and
 validates the result without checking that data and model files exist (they live on the script author's
-machine). Each script lands in one class: valid; unmapped (verl keys with no rlx counterpart: the most
-frequent are listed); refused (a clear user error, e.g. a variable the script needs from its caller);
-invalid (translated, but rlx's validation refuses the config); crash (any other exception: a bug).
-Variables a script takes from its caller and does not default are given a placeholder value, as a user
-running the script would set them.
+machine: a model folder given by an absolute path that is not here counts as the author's, and the custom
+reward file a translation's note asks for is given as the note says). Each script lands in one class:
+valid; unmapped (verl keys with no rlx counterpart: the most frequent are listed); refused (a clear user
+error, e.g. a script bug such as a division by a variable set only later); invalid (translated, but rlx's
+validation refuses the config); crash (any other exception: a bug). Variables a script takes from its
+caller and does not default are given a placeholder value, as a user running the script would set them
+(only those: a variable the script defaults, ``${VAR:-default}``, keeps its default): 1 for a count, a
+path for a path, ``True`` for a ``use_``/``enable_`` switch, a word otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 
 def scripts(verl: Path) -> dict[str, str]:
@@ -37,38 +41,61 @@ def scripts(verl: Path) -> dict[str, str]:
     return {n: t for n, t in sorted(read.items()) if "main_ppo" in t}
 
 
-class Placeholders(dict):
-    """The environment a user would run a script with: any variable the script reads is set."""
+def placeholder(name: str) -> str:
+    """The value a user would give a variable the script needs: a count for a size, else a path."""
+    if name in ("PYTHONPATH",):
+        return ""
+    counts = ("NODE", "GPU", "NUM", "SIZE", "RANK", "WORLD", "TP", "PP", "SP", "EP", "CP")
+    paths = ("PATH", "DIR", "FILE", "HOME", "ROOT", "MODEL", "DATA", "CKPT", "LLM")
+    if any(part in name.upper() for part in counts):
+        return "1"
+    if name.lower().startswith(("use_", "enable_")):
+        return "True"
+    return f"/placeholder/{name}" if any(part in name.upper() for part in paths) else "placeholder"
 
-    def get(self, key: str, default: object = None) -> str:
-        if key in ("PYTHONPATH",):
-            return ""
-        counts = ("NODE", "GPU", "NUM", "SIZE", "RANK", "WORLD", "TP", "PP", "SP", "EP", "CP")
-        return "1" if any(part in key.upper() for part in counts) else f"/placeholder/{key}"
 
-    def __contains__(self, key: object) -> bool:
-        return True
+_NEEDS = re.compile(r"needs ((?:\$\w+(?:, )?)+), which the script does not set")
 
-    def __getitem__(self, key: str) -> str:
-        return self.get(key)
+
+def translate(text: str, pm: object) -> object:
+    """The translation with the environment a user would run the script with: each variable the script
+    reads, does not set and does not default, set to a placeholder (found one error at a time)."""
+    from rlx.cli import from_verl
+    from rlx.errors import UserError
+
+    environ: dict[str, str] = {}
+    while True:
+        try:
+            return from_verl.translate(text, pm, environ=environ)
+        except UserError as exc:
+            needed = _NEEDS.search(exc.message)
+            names = [n for n in re.findall(r"\$(\w+)", needed.group(1))] if needed else []
+            if not names or all(n in environ for n in names):
+                raise
+            environ.update({n: placeholder(n) for n in names})
 
 
 def classify(text: str, pm: object) -> tuple[str, str]:
-    from rlx.cli import from_verl
     from rlx.errors import UserError
     from rlx.validate import load_config
 
     try:
-        t = from_verl.translate(text, pm, environ=Placeholders())
+        t: Any = translate(text, pm)
     except UserError as exc:
         return "refused", exc.message
     except Exception:
         return "crash", traceback.format_exc(limit=-3)
     if t.unmapped:
         return "unmapped", "; ".join(k for k, _ in t.unmapped)
+    # What the translation's notes ask the user to add on the rlx command line (a custom reward's file).
+    asked = re.findall(r"add (reward\.path=\S+) to the rlx command", "\n".join(t.notes))
     try:
-        load_config(pm, overrides=t.overrides(), check_files=False)
+        load_config(pm, overrides=t.overrides() + asked, check_files=False)
     except UserError as exc:
+        problems = re.findall(r"^\s*- (\S+): (.*)$", exc.message, re.M)
+        if problems and all(why.startswith("no such folder") or why.startswith("no such file")
+                            for _, why in problems):
+            return "valid", "a model or reward folder that only the script's author has: " + exc.message
         return "invalid", exc.message
     except Exception:
         return "crash", traceback.format_exc(limit=-3)

@@ -108,6 +108,10 @@ def _config_file(read: verl_shell.ShellRead, notes: list[str] | None) -> dict[st
             elif text == flag and i + 1 < len(words):
                 options[option] = words[i + 1]
     name, folder = options.get("name", "").strip("'\""), options.get("path", "").strip("'\"")
+    if Path(name).stem == "ppo_megatron_trainer":  # verl's Megatron config: its roles' strategy is megatron
+        if notes is not None:
+            notes.append(f"--config-name={name}: verl's Megatron defaults, whose actor strategy is megatron")
+        return {AA + "strategy": "megatron"}
     if not name or Path(name).stem in _VERL_CONFIGS:
         return {}
     if not os.path.isabs(os.path.expanduser(folder)):  # Hydra: relative to verl's trainer module, not here
@@ -422,6 +426,21 @@ IGNORED: dict[str, str] = {
     "reward_model.num_workers": _PLACEMENT, "reward_model.use_reward_loop": "verl's choice between two "
     "implementations of the same reward computation",
     "trainer.max_critic_ckpt_to_keep": "rlx keeps trainer.max_checkpoints_to_keep checkpoints of every role",
+    RO + "expert_parallel_size": "the engine's expert parallelism (how the inference engine spreads a "
+    "mixture-of-experts model's experts over its GPUs): " + _PLACEMENT,
+    "data.filter_overlong_prompts_workers": "processes that filter the prompts: " + _PLACEMENT,
+    REF + "entropy_from_logits_with_chunking": _PLACEMENT, REF + "entropy_checkpointing": _PLACEMENT,
+    "reward_model.model.use_remove_padding": _PLACEMENT,
+    MODEL + "fused_kernel_options.": "the kernels behind use_fused_kernels: " + _PLACEMENT,
+    MODEL + "enable_activation_offload": _PLACEMENT,
+    AA + "use_prefix_grouper": "verl's shared-prefix forward pass computes each prompt once for its group of "
+    "responses: the same log-probs and gradients, " + _PLACEMENT,
+    RO + "over_sample_rate": "not read by verl (b178a3cd5): its rollout config has the field but nothing reads it, "
+    "so verl finishes every sampled response, as rlx does",
+    RO + "disable_log_stats": "the engine's own logging", RO + "prometheus.": "the engine's metrics server: logging "
+    "only", RO + "skip_tokenizer_init": "whether the engine loads a tokenizer of its own (it takes and returns "
+    "token ids either way): " + _PLACEMENT,
+    RO + "checkpoint_engine.": "how verl moves the weights to the engine (transport backend): " + _PLACEMENT,
 }
 
 # verl's engine settings -> the option of each rlx engine that has one; with an engine that has none, the
@@ -503,10 +522,12 @@ def _loggers(value: Any, t: Translation) -> None:
 
 
 def _output_dir(value: Any, t: Translation) -> None:
-    text = str(value).replace("${trainer.project_name}", "{project}").replace("${trainer.experiment_name}",
-                                                                             "{experiment}")
-    if "${" in text:
+    fields = {"${trainer.project_name}": "{project}", "${trainer.experiment_name}": "{experiment}"}
+    parts = re.split(r"(\$\{trainer\.project_name\}|\$\{trainer\.experiment_name\})", str(value))
+    if any("${" in part for part in parts if part not in fields):
         raise _Unmapped(f"an interpolation rlx cannot resolve: {value}")
+    # rlx fills {project} and {experiment} in; a brace of the path itself is doubled to stay a brace
+    text = "".join(fields.get(part, part.replace("{", "{{").replace("}", "}}")) for part in parts)
     t.set("trainer.output_dir", text, "trainer.default_local_dir")
 
 
@@ -515,6 +536,60 @@ def _resume(value: Any, t: Translation) -> None:
     if value not in modes:
         raise _Unmapped("rlx resumes from its own run folder's checkpoints (trainer.resume=auto|never|must)")
     t.set("trainer.resume", modes[value], "trainer.resume_mode")
+
+
+def _resume_path(value: Any, verl: dict[str, Any]) -> None:
+    if verl.get("trainer.resume_mode", "auto") != "resume_path":
+        raise _Ignored("verl reads it only with trainer.resume_mode=resume_path")
+    raise _Unmapped("rlx resumes from its own run folder's checkpoints, not from a folder given by path")
+
+
+def _remote_code(value: Any, t: Translation, source: str) -> None:
+    """verl's data.trust_remote_code (the tokenizer's and processor's code) and the critic's: rlx has one
+    switch for every model and tokenizer, model.trust_remote_code, which the translation leaves out."""
+    if value in (False, None, "false", "False", 0):
+        raise _Ignored("false: no code of the model folder runs")
+    t.set("model.trust_remote_code", value, source)
+
+
+def _bucket(value: Any, t: Translation, pm: Any) -> None:
+    if not _positive(value) or not _core_or_option_key_exists("launcher.bucket_size_mb", t.settings, pm):
+        raise _Ignored(f"the size of the pieces the weights reach the engine in: {_PLACEMENT}")
+    t.set("launcher.bucket_size_mb", float(value), RO + "checkpoint_engine.update_weights_bucket_megabytes")
+
+
+# megatron-core OptimizerConfig fields verl's override_optimizer_config sets that move the optimizer's
+# work (to the CPU, overlapped with copies) without changing the update.
+OPTIMIZER_PLACEMENT = ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                       "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload")
+# The dtypes of the precision-aware optimizer's states; megatron-core's default for each is float32.
+OPTIMIZER_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+OVERRIDE_OPTIMIZER = AA + "optim.override_optimizer_config."
+
+
+def _override_optimizer(key: str, value: Any, verl: dict[str, Any]) -> None:
+    """verl's megatron optimizer settings (megatron-core OptimizerConfig fields): CPU offload and the
+    precision-aware optimizer with float32 states are placement; anything else is named."""
+    name = key.removeprefix(OVERRIDE_OPTIMIZER)
+    if verl.get(AA + "strategy", "fsdp") != "megatron":
+        raise _Unmapped("keyword arguments of verl's FSDP optimizer class, which rlx's optimizer does not take")
+    if name in OPTIMIZER_PLACEMENT:
+        raise _Ignored("megatron-core's optimizer CPU offload (the Adam update runs on the CPU, in float32, "
+                       "as on the GPU): " + _PLACEMENT)
+    if name == "use_precision_aware_optimizer":
+        low = [d for d in OPTIMIZER_DTYPES if str(verl.get(OVERRIDE_OPTIMIZER + d, "float32")).removeprefix(
+            "torch.") not in ("float32", "fp32", "None")]
+        if value in (False, None) or not low:
+            raise _Ignored("with its states in float32 (megatron-core's default) the update is Adam's in float32, "
+                           "as rlx's megatron backend computes it: " + _PLACEMENT)
+        raise _Unmapped(f"optimizer states below float32 ({', '.join(low)}): rlx's megatron backend keeps them "
+                        "in float32")
+    if name in OPTIMIZER_DTYPES:
+        if str(value).removeprefix("torch.") in ("float32", "fp32", "None"):
+            raise _Ignored("float32, megatron-core's default")
+        raise _Unmapped(f"optimizer state dtype {value}: rlx's megatron backend keeps its optimizer states in "
+                        "float32")
+    raise _Unmapped("a megatron-core optimizer setting that rlx's megatron backend does not take")
 
 
 def _total_steps(value: Any, t: Translation) -> None:
@@ -719,6 +794,11 @@ SPECIAL: dict[str, Special] = {
     **{key: (lambda k: lambda v, t, verl, pm: _dapo_key(k, verl))(key) for key in (
         OVERLONG + "enable", OVERLONG + "len", OVERLONG + "penalty_factor", OVERLONG + "log",
         _DAPO_KWARGS + "max_resp_len")},
+    AA + "optim.lr_decay_style": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.lr_decay_style"),
+    RO + "checkpoint_engine.update_weights_bucket_megabytes": lambda v, t, verl, pm: _bucket(v, t, pm),
+    "trainer.resume_from_path": lambda v, t, verl, pm: _resume_path(v, verl),
+    "data.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "data.trust_remote_code"),
+    "critic.model.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "critic.model.trust_remote_code"),
     "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _only_if(
         bool(v), False, "rlx has no bypass mode (pi_old = pi_rollout): it always recomputes the old log-probs"),
     "algorithm.rollout_correction.loss_type": lambda v, t, verl, pm: _only_if(
@@ -825,6 +905,96 @@ def _reward(verl: dict[str, Any], t: Translation) -> None:
             k: v for k, v in options.items() if v is not None}}], OVERLONG + "*")
         t.notes.append("reward_model.reward_manager=dapo with overlong_buffer_cfg.enable: rlx's mix of the "
                        "router (the rule reward) and the overlong penalty")
+
+
+RM_ROLLOUT = "reward_model.rollout."
+
+
+def _reward_loop(verl: dict[str, Any]) -> bool:
+    """Whether verl serves the reward model from an inference engine (its reward loop, the default)."""
+    return bool(verl.get("reward_model.enable")) and verl.get("reward_model.use_reward_loop", True) not in (
+        False, "False", "false")
+
+
+def _reward_engine(key: str, verl: dict[str, Any]) -> None:
+    """``reward_model.rollout.*``: the inference engine verl's reward loop serves the reward model from. With
+    no custom reward function (refused with the reward model, by :func:`_reward`) verl asks that engine to
+    classify each conversation and takes the raw score, as rlx's reward_model computes it in its worker."""
+    if not verl.get("reward_model.enable"):
+        raise _Ignored("reward_model.enable is not true")
+    if not _reward_loop(verl):
+        raise _Ignored("reward_model.use_reward_loop is false: verl's reward-model worker does not read it")
+    if key in (RM_ROLLOUT + "prompt_length", RM_ROLLOUT + "response_length"):
+        raise _Ignored("the engine's generation lengths: a classifying reward model generates nothing (how much "
+                       "of a conversation it reads: the note on reward.max_length)")
+    raise _Ignored("the inference engine verl serves the sequence-classification reward model from (its memory, "
+                   "parallelism, caches): rlx's reward_model scores the same conversations with the same model in "
+                   "its reward worker; " + _PLACEMENT)
+
+
+def _reward_context(verl: dict[str, Any], t: Translation) -> None:
+    """verl's reward loop scores each conversation whole (up to the reward model's own context); rlx's reward
+    model keeps the last ``reward.max_length`` tokens: made at least as long as the prompt and response."""
+    if t.settings.get("reward.name") != "reward_model" or not _reward_loop(verl) or "reward.max_length" in t.settings:
+        return
+    lengths = [verl.get("data.max_prompt_length", 512), verl.get("data.max_response_length", 512),
+               verl.get(RM_ROLLOUT + "prompt_length"), verl.get(RM_ROLLOUT + "response_length")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in lengths[:2]):
+        return
+    total = lengths[0] + lengths[1]
+    rm = lengths[2] + lengths[3] if all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                        for v in lengths[2:]) else 0
+    t.set("reward.max_length", max(total, rm), "data.max_prompt_length + data.max_response_length"
+          if total >= rm else RM_ROLLOUT + "prompt_length + response_length")
+    t.notes.append(f"reward.max_length={max(total, rm)}: verl's reward loop scores each conversation whole, rlx's "
+                   "reward model keeps its last reward.max_length tokens; a conversation the reward model's "
+                   "template and tokenizer make longer than that loses its start in rlx")
+
+
+# verl keys whose feature rlx does not have (key, or prefix ending in "."), each with the feature named.
+MISSING: dict[str, str] = {
+    "data.custom_cls.": "a dataset class of verl's (Python code), which rlx never imports from a verl config; "
+    "rlx reads verl-shaped parquet rows itself",
+    "data.sampler.": "a custom sampler class (e.g. a curriculum that orders the prompts); rlx's loader shuffles "
+    "the prompts or keeps their order (data.shuffle)",
+    "data.apply_chat_template_kwargs.": "extra arguments of the chat template (they change the prompt, e.g. "
+    "gpt-oss's reasoning_effort); rlx renders the template without them",
+    MODEL + "custom_chat_template": "a chat template other than the tokenizer's own, which rlx formats prompts with",
+    MODEL + "override_config.": "overrides of the model's Hugging Face config (e.g. max_position_embeddings); rlx "
+    "loads the model with the config its folder has",
+    MODEL + "lora_adapter_path": "training an existing LoRA adapter further; rlx's LoRA starts from a new adapter",
+    MODEL + "torch_dtype": "not a key of verl's model config (verl's Hydra refuses it unless written with a "
+    "leading +; the model's dtype is fsdp_config.model_dtype there, model.dtype in rlx)",
+    MODEL + "mtp.": "multi-token prediction (MTP) layers trained beside the policy",
+    "algorithm.use_pf_ppo": "verl's PF-PPO (the batch reweighted or resampled by reward)",
+    "algorithm.pf_ppo.": "verl's PF-PPO (the batch reweighted or resampled by reward)",
+    "reward_model.sandbox_fusion.": "an external Sandbox Fusion service that runs responses' code to score them",
+    AA + "calculate_sum_pi_squared": "the sum of squared probabilities over the vocabulary for verl's "
+    "optimal-token-baseline estimator, which no rlx backend computes",
+    AA + "router_replay.": "mixture-of-experts routing replay (the rollout's expert choices replayed in training)",
+    RO + "enable_rollout_routing_replay": "mixture-of-experts routing replay (the rollout's expert choices "
+    "replayed in training)",
+}
+
+VISION = ("vision inputs: verl feeds the images (and videos) of the data's rows to a vision-language model, and "
+          "rlx trains text-only models")
+VISION_KEYS = ("data.image_key", "data.video_key", "data.return_multi_modal_inputs", AA + "freeze_vision_tower",
+               "data.image_patch_size")
+# Model folders of vision-language models (Qwen2.5-VL, Qwen3-VL, GLM-4.1V, MiniCPM-o/V, LLaVA, InternVL) and
+# verl's geo3k data (its prompts hold images): verl reads the images column (data.image_key, default images)
+# without being told.
+_VISION_MODEL = re.compile(r"(?i)(?:[-_]vl(?:[-_]|$)|\d(?:\.\d+)?v[-_]|llava|internvl|minicpm-?[ov](?:[-_]|$))")
+
+
+def _vision(verl: dict[str, Any], t: Translation) -> None:
+    if any(k in verl for k in VISION_KEYS):
+        return  # named with the key
+    model = str(verl.get(MODEL + "path", ""))
+    files = " ".join(str(verl.get(k, "")) for k in ("data.train_files", "data.val_files"))
+    if _VISION_MODEL.search(model.rstrip("/").rpartition("/")[2]) or "geo3k" in files.lower():
+        what = f"the model {model}" if _VISION_MODEL.search(model) else "verl's geo3k data"
+        t.unmapped.append(("data.image_key", f"{VISION} ({what}; verl reads the images column, data.image_key, "
+                                             "even when the script does not name it)"))
 
 
 def _dapo_key(key: str, verl: dict[str, Any]) -> None:
@@ -1117,6 +1287,7 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
         t.set("algorithm.name", "ppo", "verl default")
         t.notes.append("no algorithm.adv_estimator: verl's default is gae, rlx's ppo algorithm")
     _reward(verl, t)
+    _vision(verl, t)
     nodes, per_node = _count(verl, "trainer.nnodes"), _count(verl, "trainer.n_gpus_per_node")
     if nodes > 1:
         t.set("launcher.name", "ray", "trainer.nnodes")
@@ -1161,9 +1332,21 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                     raise _Unmapped("verl's fully-async recipe; in rlx set trainer.max_staleness=K (a bound in policy "
                                     "versions, not a share of samples), rollout.partial=true and "
                                     "launcher.rollout_nproc=N by hand: docs/rollout.md")
+                if key.startswith(OVERRIDE_OPTIMIZER):
+                    _override_optimizer(key, value, verl)
+                if key.startswith(RM_ROLLOUT):
+                    _reward_engine(key, verl)
+                if key in VISION_KEYS:
+                    raise _Unmapped(VISION)
+                if key.startswith(MODEL + "lora."):
+                    raise _Unmapped("verl's LoRA for the megatron strategy: rlx's megatron backend has no LoRA "
+                                    "(rlx's fsdp2 backend does: actor_rollout_ref.model.lora_rank with strategy "
+                                    "fsdp)")
                 why = _is_ignored(key)
                 if why is None:
-                    raise _Unmapped("no rlx counterpart")
+                    missing = next((w for k, w in MISSING.items() if key == k or (k.endswith(".") and
+                                                                                  key.startswith(k))), None)
+                    raise _Unmapped(missing or "no rlx counterpart")
                 if why:
                     t.ignored.append((key, why))
         except _Ignored as exc:
@@ -1174,6 +1357,7 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
     for key, value in VERL_DEFAULTS.items():
         if key not in t.settings:
             t.set(key, value, "verl default")
+    _reward_context(verl, t)
     if t.settings.get("rollout.val_temperature") is None and "rollout.val_temperature" in t.settings:
         del t.settings["rollout.val_temperature"]
     for key in ("model.lora_rank",):  # set by a converter: report it when this rlx lacks it

@@ -334,6 +334,21 @@ class _Expander:
             return
         if body[:1] in ("@", "*"):
             return
+        positional = re.match(r"\d+", body)
+        if positional:  # ${1:-default}: the script's arguments, of which there are none here
+            rest = body[positional.end():]
+            for op in (":-", ":=", ":+", "-", "=", "+"):
+                if rest.startswith(op) and op[-1] in "-=":
+                    word = self.text(rest[len(op):])
+                    info.unset += word.unset
+                    info.commands += word.commands
+                    out.append((word.text, not quoted))
+                    return
+                if rest.startswith(op):
+                    return  # ${1:+alt}: empty, the argument is not given
+            if rest:
+                raise _Unknown(f"${{{body}}}")
+            return
         if m is None:
             raise _Unknown(f"${{{body}}}")
         name, rest = m.group(0), body[m.end():]

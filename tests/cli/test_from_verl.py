@@ -524,3 +524,106 @@ def test_a_scripts_config_name_file_is_read_under_the_command_line(tmp_path, mon
     away = translate(script.replace("multiturn_grpo", "elsewhere"), get_plugin_manager())
     assert "agent.name" not in away.settings
     assert any("is not on this machine" in n for n in away.notes)
+
+
+MEGATRON_OPTIM = "actor_rollout_ref.actor.optim.override_optimizer_config."
+
+
+def test_megatron_optimizer_offload_is_placement_and_lower_precision_states_are_named():
+    pm = get_plugin_manager()
+    offload = {"actor_rollout_ref.actor.strategy": "megatron", MEGATRON_OPTIM + "optimizer_cpu_offload": True,
+               MEGATRON_OPTIM + "optimizer_offload_fraction": 1.0,
+               MEGATRON_OPTIM + "overlap_cpu_optimizer_d2h_h2d": True,
+               MEGATRON_OPTIM + "use_precision_aware_optimizer": True}
+    t = translate(offload, pm)
+    assert t.unmapped == [] and t.settings["backend.name"] == "megatron"
+    assert {k for k, _ in t.ignored} >= {k for k in offload if k.startswith(MEGATRON_OPTIM)}
+    low = translate({**offload, MEGATRON_OPTIM + "exp_avg_dtype": "bf16"}, pm)
+    assert {k for k, _ in low.unmapped} == {MEGATRON_OPTIM + "use_precision_aware_optimizer",
+                                            MEGATRON_OPTIM + "exp_avg_dtype"}
+    other = translate({**offload, MEGATRON_OPTIM + "adam_eps": 1e-5}, pm)
+    assert [k for k, _ in other.unmapped] == [MEGATRON_OPTIM + "adam_eps"]
+    fsdp = translate({MEGATRON_OPTIM + "bf16_stochastic_round": True}, pm)  # the FSDP optimizer's kwargs
+    assert [k for k, _ in fsdp.unmapped] == [MEGATRON_OPTIM + "bf16_stochastic_round"]
+
+
+def test_verls_megatron_config_name_is_the_megatron_strategy():
+    keys = read_verl_source("python3 -m verl.trainer.main_ppo --config-path=config "
+                            "--config-name='ppo_megatron_trainer.yaml' actor_rollout_ref.model.path=m "
+                            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    assert keys["actor_rollout_ref.actor.strategy"] == "megatron"
+    t = translate(keys, get_plugin_manager())
+    assert t.settings["backend.name"] == "megatron" and t.settings["backend.tensor_model_parallel_size"] == 2
+    lora = translate({**keys, "actor_rollout_ref.model.lora.rank": 8}, get_plugin_manager())
+    assert "megatron backend has no LoRA" in dict(lora.unmapped)["actor_rollout_ref.model.lora.rank"]
+
+
+def test_a_reward_model_served_by_verls_reward_loop_is_rlxs_reward_model():
+    pm = get_plugin_manager()
+    rm = {"algorithm.adv_estimator": "grpo", "data.max_prompt_length": 1024, "data.max_response_length": 512,
+          "reward_model.enable": True, "reward_model.model.path": "org/rm", "reward_model.rollout.name": "vllm",
+          "reward_model.rollout.gpu_memory_utilization": 0.8, "reward_model.rollout.tensor_model_parallel_size": 2,
+          "reward_model.rollout.prompt_length": 2048, "reward_model.rollout.response_length": 1024}
+    t = translate(rm, pm)
+    assert t.unmapped == [] and t.settings["reward.name"] == "reward_model"
+    assert t.settings["reward.max_length"] == 3072  # nothing verl scores whole is cut at the start
+    assert any("scores each conversation whole" in note for note in t.notes)
+    short = translate({k: v for k, v in rm.items() if "length" not in k or k.startswith("data.")}, pm)
+    assert short.settings["reward.max_length"] == 1536
+    legacy = translate({**rm, "reward_model.use_reward_loop": False}, pm)
+    assert "reward.max_length" not in legacy.settings
+    assert "does not read it" in dict(legacy.ignored)["reward_model.rollout.name"]
+    judge = translate({**rm, "custom_reward_function.path": "judge.py"}, pm)  # verl's generative reward model
+    assert "custom_reward_function.path" in dict(judge.unmapped)
+
+
+@pytest.mark.parametrize("model, files, vision", [
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "~/data/gsm8k/train.parquet", True),
+    ("/models/Qwen3-VL-8B-Instruct", "~/data/math/train.parquet", True),
+    ("zai-org/GLM-4.1V-9B-Thinking", "x.parquet", True),
+    ("openbmb/MiniCPM-o-2_6", "x.parquet", True),
+    ("Qwen/Qwen2.5-3B-Instruct", "~/data/geo3k/train.parquet", True),
+    ("Qwen/Qwen2.5-7B-Instruct", "~/data/gsm8k/train.parquet", False),
+    ("sfairXC/FsfairX-LLaMA3-RM-v0.1", "x.parquet", False),
+])
+def test_vision_runs_are_named_even_without_image_key(model, files, vision):
+    t = translate({"actor_rollout_ref.model.path": model, "data.train_files": files}, get_plugin_manager())
+    assert ("data.image_key" in dict(t.unmapped)) is vision
+    if vision:
+        assert "vision inputs" in dict(t.unmapped)["data.image_key"]
+
+
+def test_machinery_keys_of_verls_scripts_are_ignored_with_a_reason():
+    pm = get_plugin_manager()
+    keys = {"actor_rollout_ref.rollout.expert_parallel_size": 8, "data.filter_overlong_prompts_workers": 64,
+            "actor_rollout_ref.rollout.over_sample_rate": 0.1, "actor_rollout_ref.actor.use_prefix_grouper": True,
+            "actor_rollout_ref.ref.entropy_from_logits_with_chunking": True,
+            "actor_rollout_ref.model.enable_activation_offload": True,
+            "actor_rollout_ref.model.fused_kernel_options.impl_backend": "triton",
+            "trainer.resume_from_path": "checkpoints/"}
+    t = translate(keys, pm)
+    assert t.unmapped == [] and set(dict(t.ignored)) >= set(keys)
+    assert "not read by verl" in dict(t.ignored)["actor_rollout_ref.rollout.over_sample_rate"]
+    by_path = translate({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "ckpt/global_step_5"}, pm)
+    assert set(dict(by_path.unmapped)) == {"trainer.resume_mode", "trainer.resume_from_path"}
+    bucket = translate({"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": 4096,
+                        "actor_rollout_ref.rollout.checkpoint_engine.backend": "naive",
+                        "actor_rollout_ref.actor.optim.lr_decay_style": "cosine"}, pm)
+    assert bucket.unmapped == [] and bucket.settings["launcher.bucket_size_mb"] == 4096.0
+    assert bucket.settings["actor.optim.lr_schedule"] == "cosine"
+    inverse = translate({"actor_rollout_ref.actor.optim.lr_decay_style": "inverse_square_root"}, pm)
+    assert "actor_rollout_ref.actor.optim.lr_decay_style" in dict(inverse.unmapped)
+
+
+def test_the_tokenizers_remote_code_is_left_out_with_a_note():
+    t = translate({"data.trust_remote_code": True, "critic.model.trust_remote_code": True}, get_plugin_manager())
+    assert t.unmapped == [] and "model.trust_remote_code" not in t.settings
+    assert any("model.trust_remote_code=true" in note for note in t.notes)
+
+
+def test_a_brace_of_the_checkpoint_folder_itself_stays_a_brace():
+    t = translate({"trainer.default_local_dir": "/ckpts/${trainer.project_name}/run_8npu}"}, get_plugin_manager())
+    assert t.settings["trainer.output_dir"] == "/ckpts/{project}/run_8npu}}"
+    assert t.settings["trainer.output_dir"].format(project="p", experiment="e") == "/ckpts/p/run_8npu}"
+    bad = translate({"trainer.default_local_dir": "/ckpts/${oc.env:X}"}, get_plugin_manager())
+    assert "trainer.default_local_dir" in dict(bad.unmapped)
