@@ -129,7 +129,29 @@ def _config_file(read: verl_shell.ShellRead, notes: list[str] | None) -> dict[st
         return {}
     if notes is not None:
         notes.append(f"--config-name={name}: the settings of {path} are read, under the command line's")
-    return _yaml_keys(path, f"--config-name={name} ({path})")
+    keys = _yaml_keys(path, f"--config-name={name} ({path})")
+    if "ppo_megatron_trainer" in _defaults_of(path) and AA + "strategy" not in keys:
+        if notes is not None:
+            notes.append(f"--config-name={name}: its defaults are verl's Megatron config, whose actor strategy is "
+                         "megatron")
+        keys = {AA + "strategy": "megatron", **keys}
+    return keys
+
+
+def _defaults_of(path: Path) -> list[str]:
+    """The config names in a verl config file's Hydra ``defaults`` list (``- name`` or ``- group: name``)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    out: list[str] = []
+    for item in defaults if isinstance(defaults, list) else []:
+        values = item.values() if isinstance(item, dict) else [item]
+        out += [Path(str(v)).stem for v in values if isinstance(v, str)]
+    return out
 
 
 def _trainer_keys(read: verl_shell.ShellRead, notes: list[str] | None = None) -> dict[str, Any]:
@@ -850,6 +872,10 @@ def _backend(verl: dict[str, Any], t: Translation) -> None:
             continue
         if strategy != "megatron":
             t.ignored.append((key, f"the actor's strategy is {strategy}: verl reads megatron.* only with megatron"))
+        elif rest == "context_parallel_size" and isinstance(value, int) and not isinstance(value, bool) \
+                and value > 1:
+            t.ignored.append((key, f"{value}: rlx's megatron backend keeps each sequence on one rank (context "
+                              "parallelism 1), the same computation with more memory per rank: " + _PLACEMENT))
         elif rest in MEGATRON_OPTIONS:
             if value is not None:
                 t.set(f"backend.{MEGATRON_OPTIONS[rest]}", value, key)

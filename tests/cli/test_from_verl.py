@@ -627,3 +627,14 @@ def test_a_brace_of_the_checkpoint_folder_itself_stays_a_brace():
     assert t.settings["trainer.output_dir"].format(project="p", experiment="e") == "/ckpts/p/run_8npu}"
     bad = translate({"trainer.default_local_dir": "/ckpts/${oc.env:X}"}, get_plugin_manager())
     assert "trainer.default_local_dir" in dict(bad.unmapped)
+
+
+def test_a_config_file_on_verls_megatron_defaults_is_the_megatron_strategy(tmp_path):
+    (tmp_path / "mt_megatron.yaml").write_text(yaml.safe_dump({
+        "defaults": ["ppo_megatron_trainer", "_self_"], "data": {"train_batch_size": 32}}))
+    keys = read_verl_source(f"python3 -m verl.trainer.main_ppo --config-path={tmp_path} --config-name=mt_megatron "
+                            "actor_rollout_ref.model.path=m actor_rollout_ref.actor.megatron.context_parallel_size=2")
+    assert keys["actor_rollout_ref.actor.strategy"] == "megatron" and keys["data.train_batch_size"] == 32
+    t = translate(keys, get_plugin_manager())
+    assert t.settings["backend.name"] == "megatron" and "backend.context_parallel_size" not in t.settings
+    assert "one rank" in dict(t.ignored)["actor_rollout_ref.actor.megatron.context_parallel_size"]
