@@ -566,6 +566,28 @@ def _resume_path(value: Any, verl: dict[str, Any]) -> None:
     raise _Unmapped("rlx resumes from its own run folder's checkpoints, not from a folder given by path")
 
 
+# verl's own test sampler, which its curriculum examples name: a plain random order of the prompts (a torch
+# RandomSampler, reshuffled each epoch; its update() does nothing).
+RANDOM_SAMPLER = ("pkg://tests.utils.dataset.test_create_rl_sampler_on_cpu", "RandomCurriculumSampler")
+
+
+def _sampler(t: Translation, verl: dict[str, Any], key: str) -> None:
+    given = (verl.get("data.sampler.class_path"), verl.get("data.sampler.class_name"))
+    if given[0] is None:
+        raise _Ignored("no class_path: verl's own sampler (data.shuffle)")
+    if given != RANDOM_SAMPLER:
+        raise _Unmapped(f"a custom sampler class ({given[1]} from {given[0]}, e.g. a curriculum that orders the "
+                        "prompts); rlx's loader shuffles the prompts or keeps their order (data.shuffle)")
+    raise _Ignored(f"verl's {RANDOM_SAMPLER[1]} (its test sampler) draws the prompts in a random order each epoch, "
+                   "as data.shuffle=true does (with rlx's seed)")
+
+
+def _random_sampler(verl: dict[str, Any], t: Translation) -> None:
+    """verl's random test sampler replaces its own (data.shuffle is then not read): rlx shuffles."""
+    if (verl.get("data.sampler.class_path"), verl.get("data.sampler.class_name")) == RANDOM_SAMPLER:
+        t.set("data.shuffle", True, "data.sampler.class_name")
+
+
 def _remote_code(value: Any, t: Translation, source: str) -> None:
     """verl's data.trust_remote_code (the tokenizer's and processor's code) and the critic's: rlx has one
     switch for every model and tokenizer, model.trust_remote_code, which the translation leaves out."""
@@ -819,6 +841,8 @@ SPECIAL: dict[str, Special] = {
     AA + "optim.lr_decay_style": lambda v, t, verl, pm: _schedule(v, t, AA + "optim.lr_decay_style"),
     RO + "checkpoint_engine.update_weights_bucket_megabytes": lambda v, t, verl, pm: _bucket(v, t, pm),
     "trainer.resume_from_path": lambda v, t, verl, pm: _resume_path(v, verl),
+    "data.sampler.class_path": lambda v, t, verl, pm: _sampler(t, verl, "data.sampler.class_path"),
+    "data.sampler.class_name": lambda v, t, verl, pm: _sampler(t, verl, "data.sampler.class_name"),
     "data.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "data.trust_remote_code"),
     "critic.model.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "critic.model.trust_remote_code"),
     "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _only_if(
@@ -981,8 +1005,6 @@ def _reward_context(verl: dict[str, Any], t: Translation) -> None:
 MISSING: dict[str, str] = {
     "data.custom_cls.": "a dataset class of verl's (Python code), which rlx never imports from a verl config; "
     "rlx reads verl-shaped parquet rows itself",
-    "data.sampler.": "a custom sampler class (e.g. a curriculum that orders the prompts); rlx's loader shuffles "
-    "the prompts or keeps their order (data.shuffle)",
     "data.apply_chat_template_kwargs.": "extra arguments of the chat template (they change the prompt, e.g. "
     "gpt-oss's reasoning_effort); rlx renders the template without them",
     MODEL + "custom_chat_template": "a chat template other than the tokenizer's own, which rlx formats prompts with",
@@ -1384,6 +1406,7 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
         if key not in t.settings:
             t.set(key, value, "verl default")
     _reward_context(verl, t)
+    _random_sampler(verl, t)
     if t.settings.get("rollout.val_temperature") is None and "rollout.val_temperature" in t.settings:
         del t.settings["rollout.val_temperature"]
     for key in ("model.lora_rank",):  # set by a converter: report it when this rlx lacks it

@@ -638,3 +638,13 @@ def test_a_config_file_on_verls_megatron_defaults_is_the_megatron_strategy(tmp_p
     t = translate(keys, get_plugin_manager())
     assert t.settings["backend.name"] == "megatron" and "backend.context_parallel_size" not in t.settings
     assert "one rank" in dict(t.ignored)["actor_rollout_ref.actor.megatron.context_parallel_size"]
+
+
+def test_verls_random_test_sampler_is_a_shuffle_and_another_sampler_is_named():
+    pm = get_plugin_manager()
+    random = {"data.shuffle": False, "data.sampler.class_name": "RandomCurriculumSampler",
+              "data.sampler.class_path": "pkg://tests.utils.dataset.test_create_rl_sampler_on_cpu"}
+    t = translate(random, pm)
+    assert t.unmapped == [] and t.settings["data.shuffle"] is True  # the sampler wins over data.shuffle in verl
+    other = translate({**random, "data.sampler.class_name": "MyCurriculum"}, pm)
+    assert "custom sampler" in dict(other.unmapped)["data.sampler.class_name"]
