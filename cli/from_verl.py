@@ -983,15 +983,22 @@ def _reward_engine(key: str, verl: dict[str, Any]) -> None:
 
 
 def _reward_context(verl: dict[str, Any], t: Translation) -> None:
-    """verl's reward loop scores each conversation whole (up to the reward model's own context); rlx's reward
-    model keeps the last ``reward.max_length`` tokens: made at least as long as the prompt and response."""
-    if t.settings.get("reward.name") != "reward_model" or not _reward_loop(verl) or "reward.max_length" in t.settings:
+    """How much of a conversation the reward model reads. verl's reward loop scores each conversation whole (up
+    to the reward model's own context); its older reward-model worker cuts the end beyond reward_model.max_length,
+    by default the batch's prompt + response width. rlx's reward model keeps the last ``reward.max_length``
+    tokens: made at least as long as the prompt and response."""
+    if t.settings.get("reward.name") != "reward_model" or "reward.max_length" in t.settings:
         return
     lengths = [verl.get("data.max_prompt_length", 512), verl.get("data.max_response_length", 512),
                verl.get(RM_ROLLOUT + "prompt_length"), verl.get(RM_ROLLOUT + "response_length")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in lengths[:2]):
         return
     total = lengths[0] + lengths[1]
+    if not _reward_loop(verl):
+        t.set("reward.max_length", total, "data.max_prompt_length + data.max_response_length")
+        t.notes.append(f"reward.max_length={total}: verl's reward-model worker reads at most the prompt and response "
+                       "width, in the reward model's tokens, and cuts a longer conversation's end; rlx cuts its start")
+        return
     rm = lengths[2] + lengths[3] if all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                                         for v in lengths[2:]) else 0
     t.set("reward.max_length", max(total, rm), "data.max_prompt_length + data.max_response_length"

@@ -571,7 +571,7 @@ def test_a_reward_model_served_by_verls_reward_loop_is_rlxs_reward_model():
     short = translate({k: v for k, v in rm.items() if "length" not in k or k.startswith("data.")}, pm)
     assert short.settings["reward.max_length"] == 1536
     legacy = translate({**rm, "reward_model.use_reward_loop": False}, pm)
-    assert "reward.max_length" not in legacy.settings
+    assert legacy.settings["reward.max_length"] == 1536  # verl's worker: the prompt + response width
     assert "does not read it" in dict(legacy.ignored)["reward_model.rollout.name"]
     judge = translate({**rm, "custom_reward_function.path": "judge.py"}, pm)  # verl's generative reward model
     assert "custom_reward_function.path" in dict(judge.unmapped)
