@@ -14,10 +14,21 @@ transformers' attention interface): for a one-token query it folds the query hea
 head into one group, so grouped-query attention reads the cache once instead of through ``repeat_kv``'s
 copy of it per query head (with a mask, transformers' sdpa path makes that copy); other calls go to
 transformers' own sdpa function.
+
+Llama-family models (Llama, Qwen2, Qwen3, Mistral without a sliding window: :func:`supports_slots`) decode
+through :class:`SlotDecoder` instead: rlx's own step (:func:`slot_forward`, transformers' arithmetic) over
+fused q/k/v and gate/up weights (the model's parameters become views of them, so weight updates need no
+second copy), a per-layer cache, and ``rlx::slot_attention``, which on a GPU is a Triton kernel that writes
+the new key/value and reads each row's own columns only (its prompt start to the current column, not the
+cache's whole length). The prefill runs the model's own forward for many prompts at once. Every 16 steps
+the rows still decoding move to the front and the step runs at the smallest power-of-two bucket that holds
+them (one recorded graph per bucket, one compilation for all, the batch dimension symbolic), so rows that
+finished are not decoded any more. Sampling runs inside the compiled step; only its noise is drawn apart.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
@@ -190,11 +201,11 @@ class StaticDecoder:
                  interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, R) raw tokens and their log-probs; R < max_tokens only when every row has stopped, or when
         ``interrupt`` was set (looked at every ``check_every`` steps, with the stop check)."""
-        if self.use_graph and self.graph is None:
+        if self.use_graph and self.graph is None and self.max_tokens > 1:
             self.capture(ids, mask)
         self.prefill(ids, mask)
         width = self.max_tokens
-        if bool(self.done.all()):
+        if self.max_tokens == 1 or bool(self.done.all()):
             width = 1
         else:
             for column in range(1, self.max_tokens):
@@ -210,6 +221,468 @@ class StaticDecoder:
         return self.tokens[:, :width].clone(), self.log_probs[:, :width].clone()
 
 
+# -- the slot decoder: rlx's own decode step for Llama-family models ---------------------------------------
+SLOT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MIN_BUCKET = 8
+
+
+def supports_slots(model: Any) -> str | None:
+    """Why :class:`SlotDecoder` cannot step this model, or None when it can: a Llama-family decoder (Llama,
+    Qwen2, Qwen3, Mistral without a sliding window) with the module layout transformers gives them."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SLOT_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding window"
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or any(not hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
+        return "an unfamiliar module layout"
+    if getattr(inner.rotary_emb, "rope_type", "default") not in STATIC_ROPE_TYPES:
+        return f"rope type {inner.rotary_emb.rope_type!r}"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or any(not hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "an unfamiliar attention layout"
+        if any(not hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "an unfamiliar MLP layout"
+        if len({attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}) > 1:
+            return "biases on some of the q/k/v projections only"
+        if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None):
+            return "a bias on one of the gate/up projections only"
+    return None
+
+
+def _fused(parts: list[Any]) -> Any:
+    """One tensor holding ``parts`` stacked along dim 0; the parts' ``.data`` become views of it, so an update
+    that copies into a part writes into the fused tensor and no second copy is kept."""
+    import torch
+
+    fused = torch.cat([p.data for p in parts], 0)
+    offset = 0
+    for p in parts:
+        p.data = fused[offset:offset + p.shape[0]]
+        offset += p.shape[0]
+    return fused
+
+
+class FusedWeights:
+    """The engine model's weights as the slot step reads them: q/k/v and gate/up fused into one matrix each,
+    the model's own parameters views of those (no second copy; weight updates stay in sync)."""
+
+    def __init__(self, model: Any) -> None:
+        inner = model.model
+        self.embed, self.head = inner.embed_tokens.weight, model.lm_head.weight
+        self.norm_w, self.norm_eps = inner.norm.weight, _eps(inner.norm)
+        self.rotary = inner.rotary_emb
+        self.layers: list[dict[str, Any]] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+            bias = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            gate_up_bias = [mlp.gate_proj.bias, mlp.up_proj.bias]
+            entry = {
+                "in_w": layer.input_layernorm.weight, "in_eps": _eps(layer.input_layernorm),
+                "post_w": layer.post_attention_layernorm.weight, "post_eps": _eps(layer.post_attention_layernorm),
+                "qkv": _fused(qkv), "qkv_b": _fused(bias) if bias[0] is not None else None,
+                "o": attn.o_proj.weight, "o_b": attn.o_proj.bias,
+                "gate_up": _fused([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                "gate_up_b": _fused(gate_up_bias) if gate_up_bias[0] is not None else None,
+                "down": mlp.down_proj.weight, "down_b": mlp.down_proj.bias, "act": mlp.act_fn,
+                "q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
+            }
+            self.layers.append(entry)
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = self.layers[0]["gate_up"].shape[0] // 2
+        self.scale = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+        self.attention = attention_op()
+        self.pointers = self._pointers(model)
+
+    @staticmethod
+    def _pointers(model: Any) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in model.parameters())
+
+    def current(self, model: Any) -> bool:
+        """Whether the model's parameters are still the tensors fused here (a move or a freeing sleep replaces
+        them)."""
+        return self._pointers(model) == self.pointers
+
+
+def _eps(norm: Any) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """transformers' Llama RMSNorm: float32 statistics, the weight applied in the input's dtype."""
+    import torch
+
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: Any, cos: Any, sin: Any) -> Any:
+    import torch
+
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attend_reference(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: Any, slot: Any,
+                     scale: float) -> Any:
+    """The slot step's attention in plain torch: writes the new keys/values (b, kv_heads, d) at cache column
+    ``slot`` of rows :b, then attends each row's query heads (b, heads, d) to its columns start..slot."""
+    import torch
+
+    b, heads, d = q.shape
+    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
+    k_cache[:b].index_copy_(2, slot, k.unsqueeze(2))
+    v_cache[:b].index_copy_(2, slot, v.unsqueeze(2))
+    keys, values = k_cache[:b], v_cache[:b]
+    grouped = q.view(b, kv_heads, heads // kv_heads, d)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # (b, kv, rep, L)
+    column = torch.arange(length, device=q.device)
+    allowed = (column[None, :] >= start[:, None]) & (column[None, :] <= slot)  # (b, L)
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(b, heads, d)
+
+
+@functools.cache
+def _triton_attention() -> Any:
+    """The CUDA attention kernel (flash decoding over each row's own columns), or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, o_ptr, scale,
+               s_qb, s_qh, s_kb, s_kh, s_cb, s_ch, s_cl, s_ob, s_oh,
+               REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        r = tl.arange(0, REP_PAD)
+        d = tl.arange(0, D)
+        real = r < REP
+        q = tl.load(q_ptr + row * s_qb + (group * REP + r)[:, None] * s_qh + d[None, :], mask=real[:, None],
+                    other=0.0)
+        k_new = tl.load(k_ptr + row * s_kb + group * s_kh + d)
+        v_new = tl.load(v_ptr + row * s_kb + group * s_kh + d)
+        start = tl.load(start_ptr + row)
+        slot = tl.load(slot_ptr)
+        cache = row * s_cb + group * s_ch
+        tl.store(kc_ptr + cache + slot * s_cl + d, k_new)
+        tl.store(vc_ptr + cache + slot * s_cl + d, v_new)
+        # the new column first, from registers
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        m = tl.where(real, m, 0.0)
+        total = tl.full([REP_PAD], 1.0, dtype=tl.float32)
+        acc = tl.zeros([REP_PAD, D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
+        lo = (start // BLOCK) * BLOCK
+        for s in range(lo, slot, BLOCK):
+            n = s + tl.arange(0, BLOCK)
+            valid = (n >= start) & (n < slot)
+            keys = tl.load(kc_ptr + cache + n[:, None] * s_cl + d[None, :], mask=valid[:, None], other=0.0)
+            values = tl.load(vc_ptr + cache + n[:, None] * s_cl + d[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(keys)) * scale  # (REP_PAD, BLOCK), float32
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(o_ptr + row * s_ob + (group * REP + r)[:, None] * s_oh + d[None, :], out.to(q.dtype),
+                 mask=real[:, None])
+
+    def run(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: Any, slot: Any, scale: float) -> Any:
+        import torch
+
+        b, heads, d = q.shape
+        kv_heads = k_cache.shape[1]
+        rep = heads // kv_heads
+        out = torch.empty_like(q)
+        kernel[(b, kv_heads)](q, k, v, k_cache, v_cache, start, slot, out, scale,
+                              q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+                              REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK=64, num_warps=4)
+        return out
+
+    return run
+
+
+def triton_usable(q: Any, k_cache: Any) -> bool:
+    d = q.shape[-1]
+    return (q.is_cuda and d in (64, 128, 256) and q.dtype in _half_dtypes() and k_cache.dtype == q.dtype
+            and _triton_attention() is not None)
+
+
+def _half_dtypes() -> tuple[Any, ...]:
+    import torch
+
+    return (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def attention_op() -> Any:
+    """``rlx::slot_attention`` (registered once): :func:`attend_reference`'s contract, the Triton kernel on a
+    GPU in half precision. An opaque operator to torch.compile, which writes the two caches in place."""
+    import torch
+
+    schema = ("(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor slot, "
+              "float scale) -> Tensor")  # spelled out: annotations are strings under postponed evaluation
+
+    @torch.library.custom_op("rlx::slot_attention", mutates_args=("k_cache", "v_cache"), schema=schema)
+    def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, start: torch.Tensor, slot: torch.Tensor, scale: float) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if triton_usable(q, k_cache):
+            return _triton_attention()(q, k, v, k_cache, v_cache, start, slot, scale)
+        return attend_reference(q, k, v, k_cache, v_cache, start, slot, scale)
+
+    @slot_attention.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          start: torch.Tensor, slot: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    return slot_attention
+
+
+def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_caches: list[Any],
+                 v_caches: list[Any]) -> Any:
+    """Next-token logits (b, V) of one decode step for rows :b (b = len(tok)), the new keys and values
+    written at cache column ``slot``; the same arithmetic as transformers' Llama-family layers."""
+    import torch
+
+    attention = w.attention
+    b = tok.shape[0]
+    h = torch.nn.functional.embedding(tok, w.embed)  # (b, H)
+    cos, sin = w.rotary(h, pos[:, None])  # (b, 1, d)
+    nq, nk, d = w.heads * w.head_dim, w.kv_heads * w.head_dim, w.head_dim
+    for i, layer in enumerate(w.layers):
+        x = _rms_norm(h, layer["in_w"], layer["in_eps"])
+        qkv = torch.nn.functional.linear(x, layer["qkv"], layer["qkv_b"])
+        q = qkv[:, :nq].reshape(b, w.heads, d)
+        k = qkv[:, nq:nq + nk].reshape(b, w.kv_heads, d)
+        v = qkv[:, nq + nk:].reshape(b, w.kv_heads, d)
+        if layer["q_norm"] is not None:
+            q, k = layer["q_norm"](q), layer["k_norm"](k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        a = attention(q, k, v, k_caches[i], v_caches[i], start, slot, w.scale)
+        h = h + torch.nn.functional.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
+        x = _rms_norm(h, layer["post_w"], layer["post_eps"])
+        gate_up = torch.nn.functional.linear(x, layer["gate_up"], layer["gate_up_b"])
+        act = layer["act"](gate_up[:, :w.intermediate]) * gate_up[:, w.intermediate:]
+        h = h + torch.nn.functional.linear(act, layer["down"], layer["down_b"])
+    return torch.nn.functional.linear(_rms_norm(h, w.norm_w, w.norm_eps), w.head)
+
+
+def buckets(rows: int) -> list[int]:
+    """The batch sizes a decode of ``rows`` (a power of two) steps at as rows finish: rows, rows/2, ..., 8."""
+    sizes = [rows]
+    while sizes[-1] > MIN_BUCKET:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+class SlotDecoder:
+    """Decoding for one capacity of rows, prompt width, response length and sampler, with rlx's own step
+    (:func:`slot_forward`): fused q/k/v and gate/up weights, a key/value cache of (rows, kv_heads, length, d)
+    per layer, attention over each row's own columns, sampling in the step. Rows live in slots: every
+    ``check_every`` steps the rows still decoding move to the front and the step runs at the smallest batch
+    bucket that holds them (on CUDA one recorded graph per bucket), so finished rows cost nothing."""
+
+    def __init__(self, model: Any, weights: FusedWeights, batch: int, prompt_len: int, max_tokens: int,
+                 sampler: Sampler, stop: list[int], use_graph: bool, pool: Any) -> None:
+        import torch
+
+        self.model, self.w, self.sampler = model, weights, sampler
+        self.batch, self.prompt_len, self.max_tokens = batch, prompt_len, max_tokens
+        self.length = prompt_len + max_tokens
+        device, dtype = model.device, model.dtype
+        shape = (batch, weights.kv_heads, self.length, weights.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in weights.layers]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in weights.layers]
+        long = {"dtype": torch.long, "device": device}
+        self.tok = torch.zeros(batch, **long)  # the token each slot feeds to the next step
+        self.pos = torch.zeros(batch, **long)  # its position id
+        self.start = torch.zeros(batch, **long)  # the slot's first real cache column
+        self.row = torch.arange(batch, **long)  # the output row each slot decodes
+        self.slot = torch.zeros(1, **long)  # the cache column the next step writes
+        self.column = torch.zeros(1, **long)  # the output column it writes
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(batch, max_tokens, **long)  # by output row
+        self.log_probs = torch.zeros(batch, max_tokens, dtype=torch.float32, device=device)
+        self.noise = None if sampler.greedy else torch.zeros(batch, model.config.vocab_size, device=device)
+        self.stop = torch.tensor(sorted(set(stop)) or [-1], **long)
+        self.step_fn: Any = self._choose  # (tok, pos, start, noise) -> (token, log-prob); the engine may compile it
+        self.compiled = False
+        self.use_graph, self.pool = use_graph, pool
+        self.graphs: dict[int, Any] = {}
+        self.live = batch  # the bucket the rows still decoding occupy
+
+    # -- the step -----------------------------------------------------------------------------------
+    def _choose(self, tok: Any, pos: Any, start: Any, noise: Any) -> tuple[Any, Any]:
+        import torch
+
+        logits = slot_forward(self.w, tok, pos, start, self.slot, self.k_caches, self.v_caches)
+        log_probs = self.sampler.log_probs(logits)
+        if noise is None:
+            token = log_probs.argmax(-1)
+        else:  # the exponential race of Sampler.choose, its noise drawn outside (an input here)
+            race = noise.clamp_min(torch.finfo(torch.float32).tiny)
+            token = (log_probs.exp() / race).argmax(-1)
+        return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+    def step(self, b: int) -> None:
+        """One decode step of slots :b, entirely on the device (what each bucket's graph records)."""
+        import torch
+
+        noise = None
+        if self.noise is not None:
+            noise = self.noise[:b]
+            noise.exponential_()
+        tok, pos, start = self.tok[:b], self.pos[:b], self.start[:b]
+        if self.compiled:  # one compilation for every bucket
+            for t in (tok, pos, start) + ((noise,) if noise is not None else ()):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        token, log_prob = self.step_fn(tok, pos, start, noise)
+        rows = self.row[:b]
+        columns = self.column.expand(b)
+        self.tokens.index_put_((rows, columns), token)
+        self.log_probs.index_put_((rows, columns), log_prob)
+        self.done[:b] |= (token.unsqueeze(-1) == self.stop).any(-1)
+        tok.copy_(token)
+        pos.add_(1)
+        self.slot.add_(1)
+        self.column.add_(1)
+
+    # -- prefill, compaction, recording -------------------------------------------------------------
+    def prefill(self, ids: Any, mask: Any, real_rows: int) -> None:
+        """The prompts (rows, P) through the model's own forward, a few rows at a time; their keys and values
+        copied into the cache (zero at padding), the first token drawn. Rows from ``real_rows`` on are
+        fillers: done from the start."""
+        import torch
+        from transformers import DynamicCache
+
+        rows, width = ids.shape
+        positions = prompt_positions(mask)
+        chunk = max(1, 65536 // max(width, 1))
+        kw = cache_argument(self.model)
+        keep = mask.to(self.k_caches[0].dtype)[:, None, :, None]  # (rows, 1, P, 1)
+        first = []
+        for lo in range(0, rows, chunk):
+            hi = min(rows, lo + chunk)
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=ids[lo:hi], attention_mask=mask[lo:hi], position_ids=positions[lo:hi],
+                             use_cache=True, logits_to_keep=1, **{kw: cache})
+            for i, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
+                keys, values = _layer_kv(cache, i)
+                k_cache[lo:hi, :, :width] = keys * keep[lo:hi]
+                v_cache[lo:hi, :, :width] = values * keep[lo:hi]
+            first.append(out.logits[:, -1])
+            del cache, out
+        for k_cache, v_cache in zip(self.k_caches, self.v_caches, strict=True):  # stale columns of a last call
+            k_cache[:, :, width:].zero_()
+            v_cache[:, :, width:].zero_()
+        token, log_prob = self.sampler.step(torch.cat(first))
+        self.row.copy_(torch.arange(rows, device=ids.device))
+        self.tokens.zero_()
+        self.log_probs.zero_()
+        self.tokens[:, 0], self.log_probs[:, 0] = token, log_prob
+        self.done.copy_((token.unsqueeze(-1) == self.stop).any(-1))
+        self.done[real_rows:] = True
+        self.tok.copy_(token)
+        self.pos.copy_(positions[:, -1] + 1)
+        self.start.copy_(width - mask.long().sum(-1))
+        self.slot.fill_(width)
+        self.column.fill_(1)
+        self.live = rows
+
+    def compact(self, live: Any, written: int) -> None:
+        """Move the slots still decoding (``live``, sorted, on the device) to the front and shrink the active
+        bucket to the smallest that holds them; the finished slots fill the rest of it. ``written``: the
+        cache columns in use."""
+        import torch
+
+        b = self.live
+        n = int(live.numel())
+        new = next(s for s in reversed(buckets(self.batch)) if s >= n)
+        if new >= b:
+            return
+        finished = torch.ones(b, dtype=torch.bool, device=live.device)
+        finished[live] = False
+        order = torch.cat([live, finished.nonzero().squeeze(-1)])[:new]
+        for cache in (*self.k_caches, *self.v_caches):
+            cache[:new, :, :written] = cache[order, :, :written]
+        for t in (self.tok, self.pos, self.start, self.row, self.done):
+            t[:new] = t[order]
+        self.live = new
+
+    def capture(self, ids: Any, mask: Any, real_rows: int, warmup: int = 2) -> None:
+        """Record one step per bucket, each after warm-up steps on a side stream (compilation and library
+        workspaces happen there); the prompts are prefilled again before decoding."""
+        import torch
+
+        self.prefill(ids, mask, real_rows)
+        for b in buckets(self.batch):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self.slot.fill_(self.prompt_len)  # every step within the cache and the output columns
+                    self.column.fill_(1)
+                    self.step(b)
+                self.slot.fill_(self.prompt_len)
+                self.column.fill_(1)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.step(b)
+            self.graphs[b] = graph
+
+    def generate(self, ids: Any, mask: Any, real_rows: int, check_every: int = 16,
+                 interrupt: Any = None) -> tuple[Any, Any]:
+        """(rows, R) raw tokens and their log-probs by output row; R < max_tokens only when every real row
+        has stopped, or when ``interrupt`` was set (both looked at every ``check_every`` steps, when the rows
+        still decoding are also compacted)."""
+        if self.max_tokens > 1 and self.use_graph and not self.graphs:
+            self.capture(ids, mask, real_rows)
+        self.prefill(ids, mask, real_rows)
+        width = self.max_tokens
+        if self.max_tokens == 1 or bool(self.done.all()):
+            width = 1
+        else:
+            for column in range(1, self.max_tokens):
+                if self.graphs:
+                    self.graphs[self.live].replay()
+                else:
+                    self.step(self.live)
+                if (column + 1) % check_every == 0 and column + 1 < self.max_tokens:
+                    live = (~self.done[:self.live]).nonzero().squeeze(-1)  # a host synchronisation
+                    if live.numel() == 0 or (interrupt is not None and interrupt.is_set()):
+                        width = column + 1
+                        break
+                    self.compact(live, self.prompt_len + column + 1)
+        return self.tokens[:, :width].clone(), self.log_probs[:, :width].clone()
+
+
+def _layer_kv(cache: Any, i: int) -> tuple[Any, Any]:
+    """Layer ``i``'s (b, kv_heads, P, d) keys and values from a transformers cache (5.x layers, or the old
+    key_cache/value_cache lists)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[i].keys, layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
 class StaticEngine:
     """The static decoders of one model, by shape; the least recently used is dropped beyond ``max_shapes``."""
 
@@ -218,29 +691,44 @@ class StaticEngine:
         self.model, self.pad_token_id = model, pad_token_id
         self.use_graph, self.compile_mode = use_graph, compile_mode
         self.prompt_bucket, self.max_shapes = prompt_bucket, max_shapes
-        self.decoders: OrderedDict[tuple[Any, ...], StaticDecoder] = OrderedDict()
-        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        self.decoders: OrderedDict[tuple[Any, ...], StaticDecoder | SlotDecoder] = OrderedDict()
+        self.slots = supports_slots(model) is None  # rlx's own step; else transformers' model code, one token a row
+        if not self.slots and getattr(model.config, "_attn_implementation", None) == "sdpa":
             use_decode_attention(model)
+        self.weights: FusedWeights | None = None
         self.pool: Any = None
         self.compile_failed = False
 
     def clear(self) -> None:
         """Forget every cache and graph (the graphs hold the weights' addresses, which a move changes)."""
         self.decoders.clear()
+        self.weights = None
         self.pool = None
 
-    def _step_fn(self, decoder: StaticDecoder) -> Any:
+    def _step_fn(self, decoder: StaticDecoder | SlotDecoder) -> Any:
         if self.compile_mode == "off" or self.compile_failed:
             return None
         import torch
 
         mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
+        if isinstance(decoder, SlotDecoder):  # the batch dimension symbolic: one compilation for all buckets
+            decoder.compiled = True
+            return torch.compile(decoder._choose, mode=mode, dynamic=None)
         return torch.compile(decoder._log_probs, mode=mode, dynamic=False)
 
+    def _fused_weights(self) -> FusedWeights:
+        """The fused weights, fused again (and every recorded graph dropped) when the model's parameters were
+        replaced since (a move to another device, a freeing sleep)."""
+        if self.weights is None or not self.weights.current(self.model):
+            self.decoders.clear()
+            self.weights = FusedWeights(self.model)
+        return self.weights
+
     def _decoder(self, batch: int, prompt_len: int, max_tokens: int, sampler: Sampler,
-                 stop: list[int]) -> StaticDecoder:
+                 stop: list[int]) -> StaticDecoder | SlotDecoder:
         import torch
 
+        weights = self._fused_weights() if self.slots else None
         key = (batch, prompt_len, max_tokens, sampler, tuple(sorted(set(stop))))
         if key in self.decoders:
             self.decoders.move_to_end(key)
@@ -249,8 +737,17 @@ class StaticEngine:
             self.decoders.popitem(last=False)
         if self.use_graph and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        decoder = StaticDecoder(self.model, batch, prompt_len, max_tokens, sampler, stop, self.use_graph, self.pool)
-        decoder.step_fn = self._step_fn(decoder) or decoder.step_fn
+        decoder: StaticDecoder | SlotDecoder
+        if weights is not None:
+            decoder = SlotDecoder(self.model, weights, batch, prompt_len, max_tokens, sampler, stop, self.use_graph,
+                                  self.pool)
+        else:
+            decoder = StaticDecoder(self.model, batch, prompt_len, max_tokens, sampler, stop, self.use_graph,
+                                    self.pool)
+        step_fn = self._step_fn(decoder)
+        if step_fn is None and isinstance(decoder, SlotDecoder):
+            decoder.compiled = False
+        decoder.step_fn = step_fn or decoder.step_fn
         self.decoders[key] = decoder
         return decoder
 
@@ -269,14 +766,21 @@ class StaticEngine:
         ids[b:], mask[b:] = ids[0], mask[0]  # filler rows: copies of a real prompt, dropped below
         decoder = self._decoder(rows, width, max_tokens, sampler, stop)
         try:
-            tokens, log_probs = decoder.generate(ids, mask, interrupt=interrupt)
+            tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
         except Exception as exc:  # a compiler failure must not end the run: decode uncompiled
-            if decoder.step_fn == decoder._log_probs:
+            if self.compile_mode == "off" or self.compile_failed:
                 raise
             warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
                           "decoding without compilation.", RuntimeWarning, stacklevel=2)
             self.compile_failed = True
             self.clear()
             decoder = self._decoder(rows, width, max_tokens, sampler, stop)
-            tokens, log_probs = decoder.generate(ids, mask, interrupt=interrupt)
+            tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
         return tokens[:b], log_probs[:b]
+
+    @staticmethod
+    def _run(decoder: StaticDecoder | SlotDecoder, ids: torch.Tensor, mask: torch.Tensor, real_rows: int,
+             interrupt: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(decoder, SlotDecoder):
+            return decoder.generate(ids, mask, real_rows, interrupt=interrupt)
+        return decoder.generate(ids, mask, interrupt=interrupt)

@@ -12,7 +12,7 @@ from rlx.batch import Batch
 from rlx.plugins.modeling.head import response_log_probs
 from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
 from rlx.plugins.rollout.hf_sampling import Sampler
-from rlx.plugins.rollout.hf_static import decode_attention
+from rlx.plugins.rollout.hf_static import SlotDecoder, decode_attention
 from rlx.plugins.testing import (
     RolloutEngineContract,
     check_first_token_distribution,
@@ -208,3 +208,92 @@ def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
         lp, _ = response_log_probs(graph.model, out.to("cuda"), 0.9, with_entropy=False)
     mask = out["response_mask"].bool()
     torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
+
+
+def test_slot_decoder_steps_llama_family_models(static):
+    """The tiny Qwen2 decodes through rlx's own step, its q/k/v and gate/up weights fused, the model's
+    parameters views of the fused tensors (no second copy)."""
+    static.generate(Batch({"input_ids": torch.tensor([[3, 4]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)},
+                          {}), SamplingParams(max_tokens=2))
+    assert static.static.slots and all(isinstance(d, SlotDecoder) for d in static.static.decoders.values())
+    layer, fused = static.model.model.layers[0], static.static.weights.layers[0]
+    q = layer.self_attn.q_proj.weight
+    assert q.data_ptr() == fused["qkv"].data_ptr() and fused["qkv"].shape[0] == q.shape[0] + 2 * (
+        layer.self_attn.k_proj.weight.shape[0])
+    assert layer.mlp.up_proj.weight.data_ptr() == fused["gate_up"][layer.mlp.gate_proj.weight.shape[0]:].data_ptr()
+
+
+def test_finished_rows_leave_the_batch(static, dynamic, prompts):
+    """Rows that stop move out of the step: with 12 rows (a bucket of 16) and some rows stopping within the
+    first 16 steps, the step ends at the bucket of 8, and the tokens and log-probs are still those of the
+    dynamic cache, which decodes every row to the end."""
+    free = run(dynamic, prompts, n=4, max_tokens=70, greedy=True)
+    stop = (int(free["responses"][0, 3]),)  # the first prompt's rows stop at their fourth token
+    a = run(static, prompts, n=4, max_tokens=70, greedy=True, stop_token_ids=stop)
+    b = run(dynamic, prompts, n=4, max_tokens=70, greedy=True, stop_token_ids=stop)
+    lengths = b["response_mask"].sum(-1).tolist()
+    assert min(lengths) < 16 and max(lengths) > 48
+    decoder = list(static.static.decoders.values())[-1]
+    assert decoder.batch == 16 and decoder.live == 8
+    width = b["responses"].shape[1]
+    assert torch.equal(a["responses"][:, :width], b["responses"]) and not a["response_mask"][:, width:].any()
+    assert a["response_mask"].sum(-1).tolist() == lengths
+    torch.testing.assert_close(a["rollout_log_probs"][:, :width], b["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_sampled_rows_leave_the_batch(policy, prompts):
+    """Sampling with rows finishing at different steps: every recorded log-prob is the training forward's."""
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    out = run(rollout, prompts, seed=4, n=6, max_tokens=64, temperature=1.0, stop_token_ids=(5,))
+    mask = out["response_mask"].bool()
+    assert mask.sum(-1).min() < 16 < 32 < mask.sum(-1).max() and list(rollout.static.decoders.values())[-1].live == 8
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out, 1.0, with_entropy=False)
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+
+
+def test_fused_weights_follow_updates_and_sleep(policy, prompts):
+    """New weights through update_weights reach the fused step; after a sleep that freed the parameters and
+    a reload, the step fuses them again."""
+    rollout = engine(policy, decoder="static", prompt_bucket=8, free_on_sleep="discard")
+    before = run(rollout, prompts, n=1, max_tokens=6, greedy=True)
+    state = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    changed = {k: (v * 0.5 if "mlp" in k else v) for k, v in state.items()}
+    rollout.update_weights(changed.items())
+    fresh = engine(policy, decoder="dynamic")
+    fresh.update_weights(changed.items())
+    want = run(fresh, prompts, n=1, max_tokens=6, greedy=True)
+    got = run(rollout, prompts, n=1, max_tokens=6, greedy=True)
+    assert not torch.equal(want["responses"], before["responses"])
+    assert torch.equal(got["responses"], want["responses"])
+    rollout.sleep()
+    rollout.wake_up()
+    rollout.update_weights(state.items())
+    assert torch.equal(run(rollout, prompts, n=1, max_tokens=6, greedy=True)["responses"], before["responses"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_slot_attention_kernel_equals_reference(dtype):
+    """The Triton decode attention (each row from its own first column, the new key/value from registers)
+    equals the plain-torch reference, caches included, on rows of different starts."""
+    from rlx.plugins.rollout.hf_static import attend_reference, attention_op, triton_usable
+
+    torch.manual_seed(0)
+    for heads, kv_heads, d, length, slot in [(9, 3, 64, 384, 200), (14, 2, 64, 512, 300), (8, 8, 128, 130, 129)]:
+        b, cap = 12, 16
+        q = torch.randn(b, heads, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, kv_heads, d, device="cuda", dtype=dtype) for _ in range(2))
+        caches = [torch.randn(cap, kv_heads, length, d, device="cuda", dtype=dtype) for _ in range(2)]
+        start = torch.randint(0, slot, (b,), device="cuda")
+        start[0] = slot  # a row with no earlier column
+        at = torch.tensor([slot], device="cuda")
+        assert triton_usable(q, caches[0])
+        ref_caches = [c.clone() for c in caches]
+        got = attention_op()(q, k, v, caches[0], caches[1], start, at, d ** -0.5)
+        want = attend_reference(q.float(), k.float(), v.float(), *(c.float() for c in ref_caches), start, at,
+                                d ** -0.5)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        for c, r in zip(caches, ref_caches, strict=True):
+            r[:b].index_copy_(2, at, (k if c is caches[0] else v).unsqueeze(2))
+            assert torch.equal(c, r)
