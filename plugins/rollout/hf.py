@@ -6,7 +6,8 @@ temperature, top-k and top-p), so they can be compared with the actor's own; eac
 step, so no full-vocabulary scores are kept.
 
 On a GPU the engine decodes with a static KV cache and the decode step recorded in a CUDA graph
-(``hf_static``); elsewhere, or with ``decoder=dynamic``, it steps the model with its dynamic cache.
+(``hf_static``: for Llama-family models rlx's own step, with fused weights, per-row attention and finished
+rows leaving the batch); elsewhere, or with ``decoder=dynamic``, it steps the model with its dynamic cache.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class HFRolloutOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype for generation (auto: float32 on CPU, bfloat16 on GPU).")
-    micro_batch_size: int = Field(64, gt=0, le=2**20, description="Sequences per generate call.")
+    micro_batch_size: int = Field(
+        512, gt=0, le=2**20, description="Sequences per decode loop. On a GPU one loop of 512 rows costs about "
+        "what a loop of 64 does (the step is bound by reading the weights), so fewer, fuller loops are faster; the "
+        "static path holds a key/value cache of this many rows x (prompt + response) tokens.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
     decoder: Literal["auto", "static", "dynamic"] = Field(
         "auto", description="KV cache: static (preallocated; with cuda_graph, one recorded decode step) or dynamic "
