@@ -103,16 +103,18 @@ class Batch:
 # Per-row tensors whose second dimension is the prompt (left-padded) or the response (right-padded).
 _PROMPT_KEYS = {"prompts": "pad", "prompt_mask": 0}
 _RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0, "response_versions": 0,
-                  "loss_mask": 0}
+                  "loss_mask": 0, "rejection_mask": 0}
 
 
 def trained_mask(batch: Batch) -> torch.Tensor:
     """The response tokens the losses, advantages and their statistics count: ``response_mask`` (B, R), times
     ``loss_mask`` where the batch has one (multi-turn episodes, rlx.agent: 0 on the tokens of tool results, which
-    the model reads but did not write). Forward passes attend to every token of ``response_mask``."""
+    the model reads but did not write), times ``rejection_mask`` where it has one (algorithm.rollout_correction's
+    rejection: 0 on the tokens it rejected). Forward passes attend to every token of ``response_mask``."""
     mask = batch["response_mask"]
-    if "loss_mask" in batch.tensors:
-        return mask * batch["loss_mask"].to(mask.device, mask.dtype)
+    for key in ("loss_mask", "rejection_mask"):
+        if key in batch.tensors:
+            mask = mask * batch[key].to(mask.device, mask.dtype)
     return mask
 
 

@@ -127,9 +127,12 @@ class TrainWorker(Protocol):
         """This worker's data-parallel rank and group size, and whether its results are collected. A worker
         without it is its own data-parallel rank."""
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0,
+                          with_sum_pi_squared: bool = False) -> Batch:
         """Return a batch with ``log_probs`` (B, R) (and ``entropy`` (B, R) if asked) of the responses under
-        the model's logits divided by ``temperature`` (the one they were sampled at)."""
+        the model's logits divided by ``temperature`` (the one they were sampled at). ``with_sum_pi_squared``
+        (the optimal-token-baseline estimators): ``sum_pi_squared`` (B, R) too, the sum over the vocabulary of
+        the squared probabilities; a backend that cannot compute it raises a UserError."""
 
     def compute_ref_log_probs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """With LoRA: the reference's ``log_probs`` (B, R), the actor's base with its adapter switched off (no
@@ -177,7 +180,10 @@ class AlgorithmNeeds:
     (B,) and ``baseline_response_length``; ``filter_groups``: dynamic sampling through ``keep_rows(batch)``
     until ``data.train_batch_size`` prompts' groups are kept or ``max_gen_batches`` generation batches were
     drawn (0: one pass over the data); ``old_from_update``: the loss can take the old log-probs from the
-    update's own first forward pass (detached), so the trainer may skip that pass when a step is on-policy.
+    update's own first forward pass (detached), so the trainer may skip that pass when a step is on-policy;
+    ``old_from_rollout``: the old log-probs are the rollout engine's ``rollout_log_probs`` (verl's bypass mode: the
+    old-log-prob pass never runs, and an engine that returns no log-probs is an error); ``sum_pi_squared``: the
+    old-log-prob pass also computes ``sum_pi_squared`` (B, R) (the optimal-token-baseline estimators).
     """
 
     ref: bool = False
@@ -186,6 +192,8 @@ class AlgorithmNeeds:
     filter_groups: bool = False
     max_gen_batches: int = 0
     old_from_update: bool = False
+    old_from_rollout: bool = False
+    sum_pi_squared: bool = False
 
 
 def needs_of(algorithm: Any) -> AlgorithmNeeds:
@@ -253,15 +261,19 @@ class EstimatorInputs:
     norm_adv_by_std: bool = True  # grpo: by the group's std (false: Dr. GRPO); remax: by the batch RMS
     options: dict[str, Any] = field(default_factory=dict)  # algorithm.estimator_options, for plugins
     batch: Batch | None = None  # the whole batch, for anything else
+    old_log_probs: torch.Tensor | None = None  # (B, R) the old policy's log-probs (``requires={"sum_pi_squared"}``)
+    sum_pi_squared: torch.Tensor | None = None  # (B, R) sum over the vocabulary of pi_old^2 (the same requirement)
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) algorithm.rollout_correction's IS weights, when set
 
 
 AdvantageEstimator = Callable[[EstimatorInputs], "tuple[torch.Tensor, torch.Tensor]"]
-ESTIMATOR_REQUIREMENTS = ("values", "baseline_scores")
+ESTIMATOR_REQUIREMENTS = ("values", "baseline_scores", "sum_pi_squared")
 
 
 def advantage_estimator(*, requires: Iterable[str] = ()) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Mark what an estimator needs besides rewards: ``"values"`` (a critic) and/or
-    ``"baseline_scores"`` (a greedy response per prompt, as in ReMax)::
+    """Mark what an estimator needs besides rewards: ``"values"`` (a critic), ``"baseline_scores"`` (a greedy
+    response per prompt, as in ReMax) and/or ``"sum_pi_squared"`` (the old-log-prob pass also returns, per token,
+    the sum over the vocabulary of the squared probabilities; the old log-probs come with it)::
 
         @advantage_estimator(requires=["values"])
         def my_gae(inputs: EstimatorInputs): ...

@@ -187,7 +187,11 @@ class Trainer:
             self.agent = EpisodeRunner(self._build("agent_loop", cfg.agent.name, "agent"), self.tools, self.tokenizer,
                                        AgentLimits.from_config(cfg.agent), self._engine_generate,
                                        describe_component(loop))
-        if cfg.actor.recompute_old_log_prob is False:
+        if self.needs.old_from_rollout and cfg.actor.recompute_old_log_prob is True:
+            raise ConfigError(["actor.recompute_old_log_prob=true asks for the old-log-prob pass, but "
+                               "algorithm.rollout_correction.bypass_mode takes the old log-probs from the rollout "
+                               "engine instead: leave actor.recompute_old_log_prob at auto, or set bypass_mode=false."])
+        if cfg.actor.recompute_old_log_prob is False and not self.needs.old_from_rollout:
             problem = self._on_policy_problem(d.train_batch_size * cfg.rollout.n,
                                               cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
             if problem is not None:
@@ -563,10 +567,23 @@ class Trainer:
         # ones (ActorLoss), so the old-log-prob pass is skipped.
         from_update = self._old_log_probs_from_update(len(batch), mini_size)
         context = UpdateContext(temperature, self.sampling.max_tokens, from_update)
-        if not from_update:
+        if self.needs.old_from_rollout:  # bypass mode: pi_old is the rollout engine's policy
+            if "rollout_log_probs" not in batch.tensors:
+                raise UserError(f"algorithm {cfg.algorithm.name!r} takes the old log-probs from the rollout engine "
+                                "(algorithm.rollout_correction.bypass_mode), but this engine returns none (no "
+                                "rollout_log_probs in its batch).",
+                                "Use an engine that returns them (hf, vllm, sglang) or set "
+                                "algorithm.rollout_correction.bypass_mode=false.")
+            batch.tensors["old_log_probs"] = batch["rollout_log_probs"].float()
+        elif not from_update:
             with timer("old_log_prob"):
-                batch.tensors["old_log_probs"] = self.actor.call(TrainWorker.compute_log_probs, batch,
-                                                                 temperature=temperature)["log_probs"]
+                if self.needs.sum_pi_squared:
+                    scored = self.actor.call(TrainWorker.compute_log_probs, batch, temperature=temperature,
+                                             with_sum_pi_squared=True)
+                    batch.tensors["sum_pi_squared"] = scored["sum_pi_squared"]
+                else:
+                    scored = self.actor.call(TrainWorker.compute_log_probs, batch, temperature=temperature)
+                batch.tensors["old_log_probs"] = scored["log_probs"]
         if self.ref is not None:
             with timer("ref"):
                 batch.tensors["ref_log_probs"] = self.ref.call(TrainWorker.compute_log_probs, batch,

@@ -227,6 +227,13 @@ class FSDPWorker(TorchWorker):
                                                entropy_grad, self.chunk_size, self.compile_head)
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
+    def _sum_pi_squared(self, micro: Batch, temperature: float) -> dict[str, torch.Tensor]:
+        if self.sp is not None:
+            raise UserError("sum_pi_squared (for the optimal-token-baseline estimators) is not computed with Ulysses "
+                            "sequence parallelism.", "Set actor.ulysses_sequence_parallel_size=1 or use another "
+                            "estimator.")
+        return super()._sum_pi_squared(micro, temperature)
+
     def _values(self, micro: Batch) -> torch.Tensor:
         if self.sp is None:
             return super()._values(micro)

@@ -660,8 +660,12 @@ class MegatronWorker:
             out = {k: v[inverse] for k, v in out.items()}
         return Batch(out)
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0,
+                          with_sum_pi_squared: bool = False) -> Batch:
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
+        if with_sum_pi_squared:
+            raise UserError("the megatron backend does not compute sum_pi_squared (the optimal-token-baseline "
+                            "estimators need it).", "Use backend.name=torch, fsdp or fsdp2, or another estimator.")
         return self._forward_batch(batch, with_entropy, temperature)
 
     def compute_values(self, batch: Batch) -> Batch:

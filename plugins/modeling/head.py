@@ -222,6 +222,34 @@ def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: 
             handle.remove()
 
 
+def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, packed: bool = False,
+                            hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (b, R) of the response tokens and sum_v pi_v^2 (b, R), the sum over the vocabulary of the squared
+    next-token probabilities (logits divided by temperature), both 0 at padding, from the whole logits in float32
+    (float64 for a float64 model): for the optimal-token-baseline estimators, in the no-gradient old-log-prob pass.
+    sum pi^2 = exp(logsumexp(2 z) - 2 logsumexp(z))."""
+    import torch
+
+    from rlx.plugins.modeling.logits import log_probs_from_logits
+
+    hf = model if hf_model is None else hf_model
+    mask = batch["response_mask"].bool()
+    inputs, keep = model_inputs(batch, packed)
+    inputs = with_packed_layout(inputs, hf)
+    targets = batch["responses"][mask][None] if packed else batch["responses"]
+    keep_kwarg = _accepts(hf, "logits_to_keep")
+    if keep_kwarg:
+        inputs["logits_to_keep"] = keep
+    logits = model(**inputs, use_cache=False).logits
+    logits = logits if keep_kwarg else logits[:, keep]
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    log_probs = log_probs_from_logits(logits, targets)
+    squares = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+    return _per_row(log_probs, mask, packed), _per_row(squares, mask, packed)
+
+
 def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool,
                        entropy_grad: bool = True, *, packed: bool = False, chunk_size: int = 0,
                        compile_head: bool = False, hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:

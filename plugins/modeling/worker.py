@@ -241,9 +241,22 @@ class TorchWorker:
         assert self.spec.value_head, f"role {self.spec.role} has no value head"
         return self._forward_no_grad(batch, lambda mb: {"values": self._values(mb)})
 
-    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0) -> Batch:
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False, temperature: float = 1.0,
+                          with_sum_pi_squared: bool = False) -> Batch:
         assert not self.spec.value_head, f"role {self.spec.role} is a value model"
+        if with_sum_pi_squared:
+            if with_entropy:
+                raise ValueError("with_sum_pi_squared and with_entropy are not computed in one pass")
+            return self._forward_no_grad(batch, lambda mb: self._sum_pi_squared(mb, float(temperature)))
         return self._forward_no_grad(batch, lambda mb: self._log_probs(mb, float(temperature), with_entropy))
+
+    def _sum_pi_squared(self, micro: Batch, temperature: float) -> dict[str, torch.Tensor]:
+        """``log_probs`` and ``sum_pi_squared`` (b, R) from the whole logits (the chunked head is not used)."""
+        from rlx.plugins.modeling.head import response_sum_pi_squared
+
+        log_probs, squares = response_sum_pi_squared(self.model, micro, temperature, packed=self.packed,
+                                                     hf_model=self.hf_model)
+        return {"log_probs": log_probs, "sum_pi_squared": squares}
 
     def compute_ref_log_probs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """The reference policy's log-probs under LoRA: this model with its adapter switched off (the
