@@ -382,7 +382,7 @@ DIRECT: dict[str, str] = {
     "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_num_gen_batches",
     **{f"algorithm.rollout_correction.{k}": f"algorithm.rollout_correction.{k}"
        for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
-                 "rollout_rs_threshold")},
+                 "rollout_rs_threshold", "loss_type")},
     "trainer.project_name": "trainer.project",
     "trainer.experiment_name": "trainer.experiment",
     "trainer.test_freq": "trainer.test_freq",
@@ -845,11 +845,25 @@ SPECIAL: dict[str, Special] = {
     "data.sampler.class_name": lambda v, t, verl, pm: _sampler(t, verl, "data.sampler.class_name"),
     "data.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "data.trust_remote_code"),
     "critic.model.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "critic.model.trust_remote_code"),
-    "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _only_if(
-        bool(v), False, "rlx has no bypass mode (pi_old = pi_rollout): it always recomputes the old log-probs"),
-    "algorithm.rollout_correction.loss_type": lambda v, t, verl, pm: _only_if(
-        v, "ppo_clip", "the loss type of verl's bypass mode, which rlx does not have"),
+    "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _bypass_mode(v, t, verl),
 }
+
+
+def _bypass_mode(value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    if not isinstance(value, bool):
+        raise _Unmapped(f"{value!r} is not true or false")
+    t.set("algorithm.rollout_correction.bypass_mode", value, "algorithm.rollout_correction.bypass_mode")
+
+
+def _bypass_loss(t: Translation) -> None:
+    """verl's bypass mode replaces the actor's loss_mode by its own; rlx's config says so (a third loss beside bypass
+    mode is a config error there)."""
+    mode = t.settings.get("algorithm.policy_loss", "vanilla")
+    if t.settings.get("algorithm.rollout_correction.bypass_mode") is True and mode not in ("vanilla", "bypass_mode"):
+        t.set("algorithm.policy_loss", "bypass_mode", "algorithm.rollout_correction.bypass_mode")
+        t.notes.append(f"algorithm.rollout_correction.bypass_mode=true: verl replaces the actor's loss_mode={mode} "
+                       "by its bypass-mode loss (PPO clip or REINFORCE: rollout_correction.loss_type), and so does "
+                       "algorithm.policy_loss=bypass_mode here")
 
 
 # verl's Megatron settings of the actor -> rlx's megatron backend options (verl lays the reference and
@@ -1421,6 +1435,7 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
             t.unmapped.append((t.sources.pop(key), f"this rlx has no {key}"))
             del t.settings[key]
     _check_epochs(t)
+    _bypass_loss(t)
     _drop_remote_code(t)
     return t
 

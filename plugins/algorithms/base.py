@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from rlx.registry import PluginManager
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs", "kl", "mse", "k1+", "k3+", "low_var_kl+"]
-PolicyLoss = Literal["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"]
+PolicyLoss = Literal["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "bypass_mode"]
 # Policy losses whose ratio or gate is per sequence (or whose paper aggregates per sequence): their default
 # loss_agg_mode is seq-mean-token-mean, as verl's; an explicit loss_agg_mode still wins.
 SEQUENCE_LEVEL_LOSSES = frozenset({"gspo", "sapo", "geo_mean"})
@@ -49,13 +49,6 @@ POLICY_LOSS_KNOBS: dict[str, tuple[str, ...]] = {
     "sapo": ("tau_pos", "tau_neg"),
     "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
     "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
-}
-# verl estimators rlx does not provide, and why (config validation says so instead of "no such estimator").
-UNSUPPORTED_ESTIMATORS = {
-    name: (f"verl's {name} estimator needs, for every response token, the sum over the vocabulary of the "
-           "squared probabilities (sum_pi_squared) from the old-log-prob pass; no rlx backend computes it (they "
-           "return the sampled token's log-prob and the entropy only), so it cannot be computed here.")
-    for name in ("optimal_token_baseline", "tir_optimal_token_baseline")
 }
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -123,19 +116,24 @@ class RolloutCorrectionOptions(BaseModel):
     from the trainer's (computed on the whole batch from old and rollout log-probs)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    rollout_is: Literal["token", "sequence"] | None = Field(
-        None, description="Importance weights pi_old / pi_rollout per token, or their product per sequence "
-        "(truncated at rollout_is_threshold); null: none.")
+    rollout_is: Literal["token", "sequence", "geometric"] | None = Field(
+        None, description="Importance weights pi_old / pi_rollout per token, their product per sequence, or their "
+        "geometric mean per sequence (truncated at rollout_is_threshold); null: none.")
     rollout_is_threshold: float = Field(2.0, gt=0, le=1e6, description="Upper truncation of the weights.")
     rollout_is_batch_normalize: bool = Field(False, description="Divide the weights by their batch mean.")
     rollout_rs: str | None = Field(
         None, description=f"Rejection: comma-separated modes of {', '.join(ROLLOUT_RS_MODES)}; a token or sequence "
-        "whose statistic leaves its bounds gets weight 0.")
+        "whose statistic leaves its bounds leaves the response mask (no loss, advantage, KL or entropy term).")
     rollout_rs_threshold: str | float | None = Field(
         None, description="Bounds of rollout_rs: one for all modes or one per mode; k1 modes LOWER_UPPER ratios "
         "(e.g. 0.5_2.0), k2 / k3 an upper bound.")
-    bypass_mode: Literal[False] = Field(False, description="verl's bypass mode (pi_old = pi_rollout) is not "
-                                        "provided: false only.")
+    bypass_mode: bool = Field(
+        False, description="verl's bypass mode: pi_old = pi_rollout (the engine's log-probs; the old-log-prob pass "
+        "is skipped), the correction computed in the loss between the trained policy and pi_rollout; the policy "
+        "loss is then algorithm.policy_loss=bypass_mode.")
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip", description="Bypass mode's loss: ppo_clip (the ratio pi / pi_rollout, clipped; IS weights only "
+        "logged) or reinforce (-w A logp with the truncated IS weights w of rollout_is).")
 
     @model_validator(mode="after")
     def _check_rejection(self) -> RolloutCorrectionOptions:
@@ -145,7 +143,8 @@ class RolloutCorrectionOptions(BaseModel):
 
     @property
     def active(self) -> bool:
-        return self.rollout_is is not None or self.rollout_rs is not None
+        """Decoupled correction: weights / rejection computed on the whole batch from pi_old and pi_rollout."""
+        return not self.bypass_mode and (self.rollout_is is not None or self.rollout_rs is not None)
 
     def rejection(self) -> list[tuple[str, float | None, float]] | None:
         return None if self.rollout_rs is None else parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
@@ -161,8 +160,8 @@ class AlgorithmOptions(BaseModel):
     # -- advantages
     adv_estimator: str = Field(
         "grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
-        "remax, gae, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, or one a plugin registers (rlx plugins "
-        "list shows kind 'advantage').")
+        "remax, gae, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, optimal_token_baseline, "
+        "tir_optimal_token_baseline, or one a plugin registers (rlx plugins list shows kind 'advantage').")
     norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std (false: Dr. GRPO); remax: "
                                   "divide by the batch's root mean square (false: verl's unscaled r - r_greedy).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
@@ -232,9 +231,25 @@ class AlgorithmOptions(BaseModel):
 
     @model_validator(mode="after")
     def _one_rollout_correction(self) -> AlgorithmOptions:
-        if self.tis_cap is not None and self.rollout_correction.active:
+        rc = self.rollout_correction
+        if self.tis_cap is not None and (rc.active or rc.bypass_mode or self.policy_loss == "bypass_mode"):
             raise ValueError("tis_cap and rollout_correction both correct for the rollout engine: use one "
                              "(tis_cap=C is rollout_correction.rollout_is=token with rollout_is_threshold=C)")
+        return self
+
+    @model_validator(mode="after")
+    def _bypass_mode(self) -> AlgorithmOptions:
+        # verl turns bypass mode on with rollout_correction.bypass_mode=true (its loss becomes loss_mode=bypass_mode);
+        # here either spelling turns on both, and a third loss beside bypass mode is an error, not replaced.
+        rc = self.rollout_correction
+        if rc.bypass_mode and self.policy_loss not in ("vanilla", "bypass_mode"):
+            raise ValueError(f"rollout_correction.bypass_mode=true has its own policy loss (PPO clip or REINFORCE: "
+                             f"rollout_correction.loss_type), so policy_loss={self.policy_loss} would not be used: "
+                             "leave policy_loss at vanilla (or set it to bypass_mode), or set bypass_mode=false.")
+        if rc.bypass_mode:
+            self.policy_loss = "bypass_mode"
+        elif self.policy_loss == "bypass_mode":
+            rc.bypass_mode = True
         return self
 
     @model_validator(mode="after")
@@ -246,6 +261,11 @@ class AlgorithmOptions(BaseModel):
 
     def policy_loss_knobs(self) -> dict[str, Any]:
         """The options of ``policy_loss`` beyond the clip ranges, as keyword arguments of its function."""
+        if self.policy_loss == "bypass_mode":
+            rc = self.rollout_correction
+            return {"loss_type": rc.loss_type, "rollout_is": rc.rollout_is, "rollout_is_threshold":
+                    rc.rollout_is_threshold, "rollout_is_batch_normalize": rc.rollout_is_batch_normalize,
+                    "rejection": rc.rejection()}
         return {name: getattr(self, name) for name in POLICY_LOSS_KNOBS.get(self.policy_loss, ())}
 
     def plugin_problems(self, pm: PluginManager) -> list[str]:
@@ -259,8 +279,6 @@ def unknown_estimator(pm: PluginManager, name: str) -> str | None:
     names = pm.names("advantage")
     if name in names:
         return None
-    if name in UNSUPPORTED_ESTIMATORS:
-        return f"{UNSUPPORTED_ESTIMATORS[name]} Use another estimator: {', '.join(names)}."
     return (f"no advantage estimator named {name!r}.{did_you_mean(name, names)} Valid estimators: "
             f"{', '.join(names)} (plugins add more: `rlx plugins list` shows kind 'advantage').")
 
@@ -318,7 +336,8 @@ class ActorLoss:
         pg_loss, metrics = F.POLICY_LOSSES[o.policy_loss](
             log_probs, old_log_probs, mb["advantages"], mask, agg_mode=o.loss_agg_mode, token_weights=weights,
             **clip, **norm, **o.policy_loss_knobs())
-        out = {f"actor/{k}": float(v) for k, v in {**metrics, **tis}.items()}
+        # Keys that name their own section (bypass mode's rollout_corr/...) keep it; the rest are the actor's.
+        out = {(k if "/" in k else f"actor/{k}"): float(v) for k, v in {**metrics, **tis}.items()}
         if from_update and "rollout_log_probs" in mb:
             # What PolicyGradient.metrics logs from the old-log-prob pass otherwise; the update averages metrics
             # over tokens, so the mean is exact and the maximum cannot be logged.
@@ -364,7 +383,9 @@ def minibatch_norm(ctx: LossContext, mask: torch.Tensor) -> dict[str, Any]:
     trainer passes on (``rollout.max_tokens``), not the padded width, which changes from step to step; the
     micro-batch's width when none was given.
     """
-    return {"num_tokens": ctx.global_tokens, "num_seqs": ctx.global_seqs,
+    # A mini-batch can hold no trained token (every one rejected by rollout_correction, or tool output only):
+    # its loss is then 0 over a count of 1.
+    return {"num_tokens": max(ctx.global_tokens, 1.0), "num_seqs": max(ctx.global_seqs, 1.0),
             "max_len": int(ctx.max_response_length or mask.shape[1])}
 
 
@@ -399,10 +420,18 @@ class PolicyGradient:
         needs = estimator_requires(self.estimator)
         self.needs_critic = "values" in needs
         self.needs_greedy_baseline = "baseline_scores" in needs
+        self.needs_sum_pi_squared = "sum_pi_squared" in needs
         self.needs_ref = opts.use_kl_loss or opts.use_kl_in_reward
         # The loss is the only reader of old log-probs unless the reward penalty needs them before the advantages.
-        # Rollout correction's weights come from the old log-probs of the whole batch, before the update.
-        self.old_log_probs_from_update = not (opts.use_kl_in_reward or opts.rollout_correction.active)
+        # Rollout correction's weights come from the old log-probs of the whole batch, before the update; in bypass
+        # mode the old log-probs are the rollout engine's.
+        bypass = opts.rollout_correction.bypass_mode
+        if bypass and self.needs_sum_pi_squared:
+            raise UserError(f"algorithm.adv_estimator={opts.adv_estimator} needs sum_pi_squared from the old-log-prob "
+                            "pass, which bypass mode (algorithm.rollout_correction.bypass_mode) skips.",
+                            "Set bypass_mode=false or use another estimator.")
+        self.old_log_probs_from_update = not (opts.use_kl_in_reward or opts.rollout_correction.active or bypass
+                                              or self.needs_sum_pi_squared)
         self.group_relative = opts.adv_estimator in GROUP_RELATIVE
         self.equal_score_steps = 0  # steps in which every group of the batch scored the same
         self.filter_groups = opts.filter_groups
@@ -412,12 +441,22 @@ class PolicyGradient:
         self.needs = AlgorithmNeeds(ref=self.needs_ref, critic=self.needs_critic,
                                     greedy_baseline=self.needs_greedy_baseline, filter_groups=self.filter_groups,
                                     max_gen_batches=self.max_num_gen_batches,
-                                    old_from_update=self.old_log_probs_from_update)
+                                    old_from_update=self.old_log_probs_from_update, old_from_rollout=bypass,
+                                    sum_pi_squared=self.needs_sum_pi_squared)
         k = opts.kl_ctrl
         self.kl_ctrl: F.FixedKLController | F.AdaptiveKLController = (
             F.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon) if k.type == "adaptive"
             else F.FixedKLController(k.kl_coef))
         cfg = ctx.config
+        if self.needs_sum_pi_squared and cfg is not None:
+            if cfg.backend.name == "megatron":
+                raise UserError(f"algorithm.adv_estimator={opts.adv_estimator} needs sum_pi_squared (the sum over the "
+                                "vocabulary of the squared probabilities), which the megatron backend does not "
+                                "compute.", "Use backend.name=torch, fsdp or fsdp2, or another estimator.")
+            if cfg.actor.ulysses_sequence_parallel_size > 1:
+                raise UserError(f"algorithm.adv_estimator={opts.adv_estimator} needs sum_pi_squared, which is not "
+                                "computed with Ulysses sequence parallelism.",
+                                "Set actor.ulysses_sequence_parallel_size=1 or use another estimator.")
         problem = group_size_problem(opts, cfg.rollout.n) if cfg is not None else None
         if problem:
             raise UserError(*problem)
@@ -468,7 +507,7 @@ class PolicyGradient:
                             "rollout engine returns none (no rollout_log_probs in its batch).",
                             "Use an engine that returns them (hf, vllm, sglang) or set algorithm.tis_cap=null.")
         rc = self.opts.rollout_correction
-        if rc.active and "rollout_log_probs" not in batch:
+        if (rc.active or rc.bypass_mode) and "rollout_log_probs" not in batch:
             raise UserError("algorithm.rollout_correction weights the actor loss with the rollout engine's "
                             "log-probs, but this rollout engine returns none (no rollout_log_probs in its batch).",
                             "Use an engine that returns them (hf, vllm, sglang) or leave algorithm.rollout_correction "
@@ -485,6 +524,19 @@ class PolicyGradient:
             stats.update({"actor/reward_kl_penalty": mean_kl, "actor/reward_kl_coef": beta})
         else:
             rewards = token_scores
+        if rc.active:
+            # As verl, before the advantages: a rejected token leaves the trained mask (rlx.batch.trained_mask), so
+            # it has no advantage, no loss, KL or entropy term and is not counted in the losses' denominators.
+            weights, keep, rc_metrics = F.rollout_correction_weights(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, rollout_is=rc.rollout_is,
+                threshold=rc.rollout_is_threshold, batch_normalize=rc.rollout_is_batch_normalize,
+                rejection=rc.rejection())
+            if rc.rollout_rs is not None:
+                batch.update(rejection_mask=keep.long())
+                mask = keep.float()
+            if rc.rollout_is is not None:
+                batch.update(rollout_is_weights=weights.float())
+            stats.update({f"rollout_corr/{k}": v for k, v in rc_metrics.items()})
         baseline = None
         if "baseline_scores" in batch:
             baseline = self._shaped(batch["baseline_scores"], batch["baseline_response_length"])
@@ -493,7 +545,9 @@ class PolicyGradient:
             response_mask=mask, scores=rewards.sum(-1), token_level_rewards=rewards,
             group_index=batch["group_index"], values=batch.tensors.get("values"), baseline_scores=baseline,
             gamma=o.gamma, lam=o.lam, norm_adv_by_std=o.norm_adv_by_std, options=dict(o.estimator_options),
-            batch=batch)
+            batch=batch, old_log_probs=batch.tensors.get("old_log_probs"),
+            sum_pi_squared=batch.tensors.get("sum_pi_squared"),
+            rollout_is_weights=batch.tensors.get("rollout_is_weights"))
         advantages, returns = self.estimator(inputs)
         for name, t in (("advantages", advantages), ("returns", returns)):
             if tuple(t.shape) != tuple(mask.shape):
@@ -504,13 +558,6 @@ class PolicyGradient:
         batch.update(shaped_scores=scores, token_level_scores=token_scores, token_level_rewards=rewards,
                      advantages=torch.where(valid, advantages.float(), zero),
                      returns=torch.where(valid, returns.float(), zero))
-        if rc.active:
-            weights, rc_metrics = F.rollout_correction_weights(
-                batch["old_log_probs"], batch["rollout_log_probs"], mask, rollout_is=rc.rollout_is,
-                threshold=rc.rollout_is_threshold, batch_normalize=rc.rollout_is_batch_normalize,
-                rejection=rc.rejection())
-            batch.update(rollout_is_weights=weights.float())
-            stats.update({f"rollout_corr/{k}": v for k, v in rc_metrics.items()})
         self.stats = stats  # this step's, for metrics()
         return batch
 

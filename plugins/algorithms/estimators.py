@@ -7,7 +7,7 @@ name with ``algorithm.adv_estimator=NAME``. A third-party plugin adds one the sa
     from rlx import Component, hookimpl
     from rlx.protocols import EstimatorInputs, advantage_estimator
 
-    @advantage_estimator(requires=[])          # or ["values"] for a critic, ["baseline_scores"]
+    @advantage_estimator(requires=[])          # or ["values"] for a critic, ["baseline_scores"], ["sum_pi_squared"]
     def sign(inputs: EstimatorInputs):
         adv = inputs.scores.sign()[:, None] * inputs.response_mask
         return adv, adv
@@ -125,6 +125,40 @@ def grpo_passk(inputs: EstimatorInputs) -> Pair:
                                    norm_by_std=inputs.norm_adv_by_std)
 
 
+def _optimal_token_baseline(inputs: EstimatorInputs, align: str, zero_tail: bool) -> Pair:
+    from rlx.plugins.algorithms import functional as F
+
+    if inputs.old_log_probs is None or inputs.sum_pi_squared is None:
+        raise RuntimeError("the optimal-token-baseline estimators need old_log_probs and sum_pi_squared (the trainer "
+                           "provides them to an estimator that requires sum_pi_squared)")
+    unknown = set(inputs.options) - {"handle_zero_tail"}
+    if unknown:
+        raise ValueError(f"algorithm.estimator_options: unknown option(s) {sorted(unknown)} for the optimal token "
+                         "baseline (it takes handle_zero_tail)")
+    handle_zero_tail = inputs.options.get("handle_zero_tail", zero_tail)
+    if not isinstance(handle_zero_tail, bool):
+        raise ValueError(f"algorithm.estimator_options.handle_zero_tail must be true or false, got "
+                         f"{handle_zero_tail!r}")
+    return F.optimal_token_baseline_advantages(
+        inputs.token_level_rewards, inputs.response_mask, inputs.group_index, inputs.old_log_probs,
+        inputs.sum_pi_squared, rollout_is_weights=inputs.rollout_is_weights, handle_zero_tail=handle_zero_tail,
+        align=align)
+
+
+@advantage_estimator(requires=["sum_pi_squared"])
+def optimal_token_baseline(inputs: EstimatorInputs) -> Pair:
+    """A_it = G_it - B_t, B_t = sum_i G_it W_it / sum_i W_it over the group at response position t, W the running sum
+    of 1 - 2 pi + sum pi^2 (verl's optimal_token_baseline; estimator_options.handle_zero_tail, default false)."""
+    return _optimal_token_baseline(inputs, "position", False)
+
+
+@advantage_estimator(requires=["sum_pi_squared"])
+def tir_optimal_token_baseline(inputs: EstimatorInputs) -> Pair:
+    """The optimal token baseline over each response's trained tokens in order (tool output skipped), for
+    multi-turn episodes (verl's tir_optimal_token_baseline; handle_zero_tail defaults to true)."""
+    return _optimal_token_baseline(inputs, "trained", True)
+
+
 # The estimators whose baseline is formed from the other responses to the same prompt: with one
 # response per prompt (rollout.n=1) every advantage they give is exactly 0. (opo and gpg fall back to
 # no baseline for a group of one, as in verl, so they still learn then.)
@@ -145,6 +179,10 @@ BUILTIN = {
     "opo": (opo, "OPO: baseline = the group's length-weighted mean reward."),
     "gpg": (gpg, "GPG: group-mean baseline scaled by batch size / responses with a non-zero reward."),
     "grpo_passk": (grpo_passk, "Pass@k: only the best response of a group, by its margin over the runner-up."),
+    "optimal_token_baseline": (optimal_token_baseline, "Per-position group baseline weighted by each response's "
+                               "running gradient variance (needs sum_pi_squared)."),
+    "tir_optimal_token_baseline": (tir_optimal_token_baseline, "The optimal token baseline over trained tokens, "
+                                   "for multi-turn episodes."),
 }
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_in_reward",
+    "bypass_policy_loss",
     "cispo_policy_loss",
     "clip_cov_policy_loss",
     "count_equal_score_groups",
@@ -63,10 +64,12 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "overlong_penalty",
     "ppo_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "reinforce_policy_loss",
     "remax_advantages",
     "rloo_advantages",
     "rollout_correction_weights",
@@ -580,6 +583,94 @@ def grpo_passk_advantages(
     return tok, tok.clone()
 
 
+def _compact(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's entries at ``m`` moved to the row's front, in order: (rows, width of the longest), and the
+    position each entry came from (-1 where a row is shorter)."""
+    lengths = m.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slot = torch.cumsum(m.long(), dim=-1) - 1  # the slot of each kept entry
+    out = torch.zeros((x.shape[0], width), dtype=x.dtype, device=x.device)
+    where = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)
+    rows, cols = m.nonzero(as_tuple=True)
+    out[rows, slot[rows, cols]] = x[rows, cols]
+    where[rows, slot[rows, cols]] = cols
+    return out, where
+
+
+def optimal_token_baseline_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+    align: str = "position",
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (verl's ``optimal_token_baseline`` / ``tir_optimal_token_baseline``): a baseline
+    per token position, weighted by how much each response's score-function gradient has varied so far.
+
+    G_it = sum_{u >= t} r_iu (reward to go); w_it = 1 - 2 pi_it + sum_v pi_itv^2, the squared norm of the
+    gradient of log pi_it with respect to the logits, with pi_it = exp(old_log_probs_it) and ``sum_pi_squared``
+    the sum over the vocabulary (times rho_it^2 with ``rollout_is_weights`` rho); W_it = sum_{u <= t} w_iu. In a
+    group of N > 1 responses, B_t = sum_i G_it W_it / (sum_i W_it + eps) over the responses that have a token
+    t, and A_it = G_it - B_t; a group of one has B = 0 (A = G). ``align="position"`` (``optimal_token_baseline``)
+    compares the tokens at the same response position; ``"trained"`` (``tir_optimal_token_baseline``, for episodes
+    whose tool output is masked out) the i-th trained token of each response. ``handle_zero_tail``: where a
+    group's longest response is longer than all others, its tokens past the second longest get B = 0 (the
+    baseline there would be the response's own return). Computed in float64; (advantages, returns), 0 outside
+    the mask.
+    """
+    if align not in ("position", "trained"):
+        raise ValueError(f"align must be 'position' or 'trained', got {align!r}")
+    m = _bool_mask(token_level_rewards, response_mask)
+    f64 = torch.float64
+    r = _masked(token_level_rewards.to(f64), m)
+    returns = r.flip(-1).cumsum(-1).flip(-1)
+    pi = torch.exp(_masked(old_log_probs.to(f64), m))
+    w = 1.0 - 2.0 * pi + _masked(sum_pi_squared.to(f64), m)
+    if rollout_is_weights is not None:
+        w = w * _masked(rollout_is_weights.to(f64), m).square()
+    cum_w = _masked(w, m).cumsum(-1)
+    if align == "trained":
+        g, where = _compact(_masked(returns, m), m)
+        big_w, _ = _compact(_masked(cum_w, m), m)
+        valid = where >= 0
+    else:
+        g, big_w, valid, where = _masked(returns, m), _masked(cum_w, m), m, None
+    lengths = valid.sum(-1)
+    index = torch.as_tensor(index, device=r.device)
+    _, inverse = torch.unique(index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    vf = valid.to(f64)
+    num = torch.zeros((groups, g.shape[1]), dtype=f64, device=r.device).index_add_(0, inverse, g * big_w * vf)
+    den = torch.zeros_like(num).index_add_(0, inverse, big_w * vf)
+    # verl counts a group's responses: all of them by position, those with a trained token by trained index
+    counted = (lengths > 0).to(f64) if align == "trained" else torch.ones_like(lengths, dtype=f64)
+    size = torch.zeros(groups, dtype=f64, device=r.device).index_add_(0, inverse, counted)
+    baseline = (num / (den + eps))[inverse]  # (B, width)
+    baseline = torch.where((size[inverse] > 1)[:, None], baseline, torch.zeros_like(baseline))
+    if handle_zero_tail and g.shape[0]:
+        for grp in range(groups):
+            rows = (inverse == grp).nonzero(as_tuple=True)[0]
+            if rows.numel() < 2:
+                continue
+            lens = lengths[rows]
+            top, second = torch.topk(lens, 2).values.tolist()
+            if top > second and int((lens == top).sum()) == 1:
+                baseline[rows[lens == top][0], second:] = 0.0
+    adv = torch.where(valid, g - baseline, torch.zeros_like(g))
+    if where is not None:
+        out = torch.zeros_like(r)
+        rows, slots = valid.nonzero(as_tuple=True)
+        out[rows, where[rows, slots]] = adv[rows, slots]
+        adv = out
+    dtype = token_level_rewards.dtype if token_level_rewards.is_floating_point() else torch.float32
+    return _masked(adv, m).to(dtype), _masked(returns, m).to(dtype)
+
+
 # --------------------------------------------------------------------------------------------------
 # Policy / value losses
 # --------------------------------------------------------------------------------------------------
@@ -1038,31 +1129,41 @@ def rollout_correction_weights(
     threshold: float = 2.0,
     batch_normalize: bool = False,
     rejection: list[tuple[str, float | None, float]] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rollout correction (verl's ``algorithm.rollout_correction``) as one detached weight per token, (B, T).
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Rollout correction (verl's ``algorithm.rollout_correction``): ``(weights, keep, metrics)``, weights and keep
+    (B, T), detached.
 
-    With d_t = clamp(log pi_old - log pi_rollout, -20, 20) on real tokens:
+    With d_t = clamp(log pi_old - log pi_rollout, -20, 20) on real tokens (``old_log_probs`` is whatever policy the
+    weights correct towards: pi_old, or the current policy in bypass mode):
 
     * ``rollout_is="token"``: w_t = min(exp(d_t), threshold) (token TIS);
       ``"sequence"``: w_it = min(exp(clamp(sum_t d_it, -20, 20)), threshold) on every token of response i;
+      ``"geometric"``: w_it = min(exp(mean_t d_it), threshold), the geometric mean of the response's token ratios
+      (length-normalised, so long responses are not pushed to the cap);
       ``None``: w = 1. With ``batch_normalize`` the weights are divided by their mean (over real tokens for
-      token, over responses for sequence), after truncation.
-    * ``rejection``: ``(mode, lower, upper)`` triples (:data:`ROLLOUT_RS_MODES`); a token, or every token of a
-      sequence, whose statistic leaves its bounds gets weight 0 (all triples must pass).
+      token, over responses otherwise), after truncation.
+    * ``rejection``: ``(mode, lower, upper)`` triples (:data:`ROLLOUT_RS_MODES`); ``keep`` is False at a token, or
+      at every token of a sequence, whose statistic leaves its bounds (all triples must pass), and at padding.
+      Rejected tokens also get weight 0.
 
-    Metrics (over real tokens, responses for the ``seq`` ones): ``is_weight_mean`` (the weights applied),
-    ``is_ratio_max`` (before truncation), ``is_clipfrac`` (share truncated), ``is_batch_norm_factor``,
-    ``rs_masked_fraction`` (tokens rejected), ``rs_seq_masked_fraction`` (responses with a rejected token),
-    and ``rs_<mode>_masked_fraction`` per mode.
+    Metrics (over real tokens; over responses for the sequence ones): ``is_weight_mean`` / ``_std`` / ``_min`` /
+    ``_max`` (the weights applied to kept tokens), ``is_ratio_max`` (before truncation), ``is_clipfrac`` (share
+    truncated), ``is_eff_sample_size`` ((sum w)^2 / (n sum w^2) over the n tokens or responses, 1 when every weight
+    is equal), ``is_batch_norm_factor``; ``rs_masked_fraction`` (tokens rejected), ``rs_seq_masked_fraction``
+    (responses with a rejected token), ``rs_<mode>_masked_fraction`` per mode; and the mismatch itself:
+    ``kl`` (mean of log pi_rollout - log pi_old, k1 of KL(pi_rollout || pi_old)), ``k3_kl`` (mean of
+    exp(d) - 1 - d), ``chi2_token`` (mean of exp(2 d) - 1), ``chi2_seq`` (mean over responses of exp(2 sum d) - 1),
+    ``training_ppl`` / ``rollout_ppl`` (mean over responses of exp(-mean log-prob)).
     """
     m = _bool_mask(old_log_probs, response_mask)
     dtype = torch.float64 if old_log_probs.dtype == torch.float64 else torch.float32
-    d = _masked(old_log_probs.to(dtype) - rollout_log_probs.to(dtype), m).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    old, rollout = old_log_probs.to(dtype), rollout_log_probs.to(dtype)
+    d = _masked(old - rollout, m).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     nonempty = m.any(dim=-1)  # (B,)
     metrics: dict[str, float] = {}
-    ones = torch.ones_like(d)
+    seq_level = rollout_is in ("sequence", "geometric")
     if rollout_is is None:
-        weights = ones
+        weights = torch.ones_like(d)
     else:
         if not threshold > 0:
             raise ValueError(f"rollout_is_threshold must be positive, got {threshold}")
@@ -1071,16 +1172,16 @@ def rollout_correction_weights(
         elif rollout_is == "sequence":
             seq = masked_sum(d, m, dim=-1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B,)
             ratio = torch.exp(seq).unsqueeze(-1).expand_as(d)
+        elif rollout_is == "geometric":
+            ratio = torch.exp(masked_mean(d, m, dim=-1)).unsqueeze(-1).expand_as(d)
         else:
-            raise ValueError(f"rollout_is must be 'token' or 'sequence', got {rollout_is!r}")
+            raise ValueError(f"rollout_is must be 'token', 'sequence' or 'geometric', got {rollout_is!r}")
         weights = ratio.clamp(max=threshold)
         metrics["is_ratio_max"] = float(ratio[m].max()) if bool(m.any()) else 0.0
         metrics["is_clipfrac"] = masked_mean((ratio > threshold).to(dtype), m).item()
         if batch_normalize:
-            if rollout_is == "token":
-                mean = masked_mean(weights, m)
-            else:
-                mean = masked_mean(masked_mean(weights, m, dim=-1), nonempty)  # one weight per response
+            # one weight per response for the sequence-level weights
+            mean = masked_mean(masked_mean(weights, m, dim=-1), nonempty) if seq_level else masked_mean(weights, m)
             factor = float(mean) if float(mean) > 1e-8 else 1.0
             weights = weights / factor
             metrics["is_batch_norm_factor"] = factor
@@ -1115,8 +1216,120 @@ def rollout_correction_weights(
         metrics["rs_masked_fraction"] = masked_mean(rejected.to(dtype), m).item()
         metrics["rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dtype), nonempty).item()
     weights = torch.where(keep, weights, torch.zeros_like(weights))
-    metrics["is_weight_mean"] = masked_mean(weights, m).item()
-    return weights, metrics
+    metrics.update(_weight_stats(weights, keep, seq_level))
+    metrics.update(_mismatch_stats(old, rollout, d, m, nonempty))
+    return weights, keep, metrics
+
+
+def _weight_stats(weights: torch.Tensor, keep: torch.Tensor, seq_level: bool) -> dict[str, float]:
+    """Statistics of the weights of kept tokens (of kept responses, one weight each, for sequence weights)."""
+    w = weights[keep]
+    if seq_level:
+        rows = keep.any(dim=-1)
+        w = (masked_sum(weights, keep, dim=-1) / keep.sum(-1).clamp(min=1).to(weights.dtype))[rows]
+    if not w.numel():
+        return {"is_weight_mean": 0.0, "is_weight_std": 0.0, "is_weight_min": 0.0, "is_weight_max": 0.0,
+                "is_eff_sample_size": 0.0}
+    square = float(w.square().sum())
+    return {"is_weight_mean": float(w.mean()), "is_weight_std": float(w.std()) if w.numel() > 1 else 0.0,
+            "is_weight_min": float(w.min()), "is_weight_max": float(w.max()),
+            "is_eff_sample_size": float(w.sum()) ** 2 / (w.numel() * square) if square > 0 else 0.0}
+
+
+def _mismatch_stats(old: torch.Tensor, rollout: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    nonempty: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's distribution is from the trainer's, on the sampled tokens."""
+    if not bool(m.any()):
+        return {}
+    seq_d = masked_sum(d, m, dim=-1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)[nonempty]
+    mean_old = masked_mean(_masked(old, m), m, dim=-1)[nonempty]
+    mean_rollout = masked_mean(_masked(rollout, m), m, dim=-1)[nonempty]
+    return {"kl": masked_mean(-d, m).item(), "k3_kl": masked_mean(torch.exp(d) - 1.0 - d, m).item(),
+            "chi2_token": masked_mean(torch.exp(2.0 * d), m).item() - 1.0,
+            "chi2_seq": float(torch.exp(2.0 * seq_d).mean()) - 1.0,
+            "training_ppl": float(torch.exp(-mean_old).mean()), "rollout_ppl": float(torch.exp(-mean_rollout).mean())}
+
+
+def reinforce_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE on the sampled tokens: l_t = -w_t A_t logp_t, w the (detached) ``token_weights`` or 1; no ratio, no
+    clipping (the clip ranges are accepted for a common signature and ignored). ``ppo_kl``: mean of old - logp, as
+    verl's (with old the rollout policy's log-probs in bypass mode)."""
+    del clip_low, clip_high, clip_ratio_c
+    log_probs, old_log_probs, advantages, _ = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
+    loss = _aggregate(-advantages * log_probs, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
+    with torch.no_grad():
+        ppo_kl = masked_mean(old_log_probs - log_probs, response_mask).item()
+    return loss, {"ppo_kl": ppo_kl}
+
+
+def bypass_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_type: str = "ppo_clip",
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rejection: list[tuple[str, float | None, float]] | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    agg_mode: str = "token-mean",
+    num_tokens: Number | torch.Tensor | None = None,
+    num_seqs: Number | torch.Tensor | None = None,
+    max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's bypass mode: two policies, pi_rollout (``old_log_probs`` here are the rollout engine's log-probs: the
+    old-log-prob pass is skipped) and the policy being trained.
+
+    The rollout correction is computed per call between the current policy (detached) and pi_rollout
+    (:func:`rollout_correction_weights` with ``old_log_probs`` = the current log-probs): tokens it rejects leave
+    the policy loss (they keep counting in the caller's ``num_tokens`` / ``num_seqs``). Then
+
+    * ``loss_type="ppo_clip"``: :func:`ppo_policy_loss` with ratio pi / pi_rollout; the IS weights are only
+      reported (the clipped ratio already is the importance correction; weighting again would count it twice);
+    * ``loss_type="reinforce"``: :func:`reinforce_policy_loss` weighted by the truncated IS weights
+      (``rollout_is``; none: plain REINFORCE).
+
+    ``token_weights`` from the caller multiply on top. Metrics: the loss's, plus the correction's prefixed
+    ``rollout_corr/``.
+    """
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"bypass mode's loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
+    weights, keep, rc = rollout_correction_weights(
+        log_probs.detach(), old_log_probs, response_mask, rollout_is=rollout_is, threshold=rollout_is_threshold,
+        batch_normalize=rollout_is_batch_normalize, rejection=rejection)
+    mask = keep.to(log_probs.dtype)
+    extra = weights.to(log_probs.dtype) if (loss_type == "reinforce" and rollout_is is not None) else None
+    if token_weights is not None:
+        extra = token_weights if extra is None else extra * token_weights
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    if loss_type == "ppo_clip":
+        loss, metrics = ppo_policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=clip_low,
+                                        clip_high=clip_high, clip_ratio_c=clip_ratio_c, agg_mode=agg_mode,
+                                        token_weights=extra, **norm)
+    else:
+        loss, metrics = reinforce_policy_loss(log_probs, old_log_probs, advantages, mask, agg_mode=agg_mode,
+                                              token_weights=extra, **norm)
+    metrics.update({f"rollout_corr/{k}": v for k, v in rc.items()})
+    return loss, metrics
 
 
 @torch.no_grad()
@@ -1141,6 +1354,7 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
     "kl_cov": kl_cov_policy_loss,
     "geo_mean": geo_mean_policy_loss,
     "cispo": cispo_policy_loss,
+    "bypass_mode": bypass_policy_loss,
 }
 
 

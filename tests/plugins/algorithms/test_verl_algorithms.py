@@ -18,7 +18,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlx.errors import UserError
 from rlx.plugins.algorithms import functional as F
 from rlx.plugins.algorithms.base import AlgorithmOptions
 from rlx.protocols import EstimatorInputs
@@ -152,13 +151,11 @@ def test_new_estimators_are_registered_and_group_size_is_checked(pm):
 
 
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_optimal_token_baseline_is_refused_with_the_reason(pm, name):
+def test_optimal_token_baseline_validates(pm, name):
     from rlx.validate import load_config
 
-    with pytest.raises(UserError) as err:
-        load_config(pm, preset="tiny", overrides=[f"algorithm.adv_estimator={name}"], check_files=False)
-    text = str(err.value)
-    assert "algorithm.adv_estimator" in text and "sum_pi_squared" in text and "opo" in text
+    resolved = load_config(pm, preset="tiny", overrides=[f"algorithm.adv_estimator={name}"], check_files=False)
+    assert resolved.options["algorithm"].adv_estimator == name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,17 +461,17 @@ RC_ROLLOUT = t([[-1.5, -1.0, -9.0], [-0.7, -0.5, -0.6], [-0.15, -9.0, 9.0]])
 
 
 def test_rollout_is_token_and_sequence_weights():
-    w, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="token", threshold=1.5)
+    w, _, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="token", threshold=1.5)
     want = t([[1.5, math.exp(-1.0), 0], [math.exp(0.2), math.exp(0.1), math.exp(0.3)], [math.exp(-0.05), 0, 0]])
     torch.testing.assert_close(w, want, atol=1e-12, rtol=0)
     assert m["is_clipfrac"] == pytest.approx(1 / 6) and m["is_ratio_max"] == pytest.approx(math.exp(0.5))
     # sequence: the product of each response's token ratios, exp(sum d): exp(-0.5), exp(0.6) -> capped 1.5, exp(-0.05)
-    w, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=1.5)
+    w, _, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=1.5)
     want = t([[math.exp(-0.5)] * 2 + [0], [1.5] * 3, [math.exp(-0.05), 0, 0]])
     torch.testing.assert_close(w, want, atol=1e-12, rtol=0)
     assert m["is_clipfrac"] == pytest.approx(3 / 6)
     # batch-normalised: sequence weights divided by their mean over responses
-    w, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=1.5,
+    w, _, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=1.5,
                                         batch_normalize=True)
     mean = (math.exp(-0.5) + 1.5 + math.exp(-0.05)) / 3
     assert m["is_batch_norm_factor"] == pytest.approx(mean, abs=1e-12)
@@ -484,17 +481,17 @@ def test_rollout_is_token_and_sequence_weights():
 def test_rollout_rejection_masks_tokens_and_sequences():
     # token_k1 band [0.5, 2]: k1 = rollout - old = -d must lie in [log 0.5, log 2] = [-0.693, 0.693]:
     # row 0 token 1 (k1 = 1.0) is rejected, the rest pass
-    w, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rejection=[("token_k1", 0.5, 2.0)])
+    w, _, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rejection=[("token_k1", 0.5, 2.0)])
     torch.testing.assert_close(w, t([[1, 0, 0], [1, 1, 1], [1, 0, 0]]), atol=0, rtol=0)
     assert m["rs_masked_fraction"] == pytest.approx(1 / 6) and m["rs_seq_masked_fraction"] == pytest.approx(1 / 3)
     # seq_mean_k2 <= 0.02: row 0 mean of d^2/2 = (0.125 + 0.5) / 2 rejected; row 1 (0.02 + 0.005 + 0.045) / 3
     # = 0.0233 rejected; row 2 0.00125 kept
-    w, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rejection=[("seq_mean_k2", None, 0.02)])
+    w, _, m = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rejection=[("seq_mean_k2", None, 0.02)])
     torch.testing.assert_close(w, t([[0, 0, 0], [0, 0, 0], [1, 0, 0]]), atol=0, rtol=0)
     assert m["rs_seq_masked_fraction"] == pytest.approx(2 / 3)
     # seq_max_k3 <= 0.06, with sequence IS: k3 = e^d - 1 - d; row 1 max at d = 0.3: 0.0499 passes, row 0 at d = -1:
     # 0.368 rejected; the weights of the kept rows are the sequence weights
-    w, _ = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=5.0,
+    w, _, _ = F.rollout_correction_weights(RC_OLD, RC_ROLLOUT, RC_MASK, rollout_is="sequence", threshold=5.0,
                                         rejection=[("seq_max_k3", None, 0.06), ("seq_sum_k1", 0.1, 10.0)])
     torch.testing.assert_close(w, t([[0, 0, 0], [math.exp(0.6)] * 3, [math.exp(-0.05), 0, 0]]), atol=1e-12, rtol=0)
 
@@ -538,14 +535,18 @@ def test_rollout_correction_reaches_the_actor_loss(pm):
     w = batch["rollout_is_weights"]
     torch.testing.assert_close(w, t([[1.5, 0, 0], [math.exp(0.2), math.exp(0.1), math.exp(0.3)],
                                      [math.exp(-0.05), 0, 0]]).float())
+    # the rejected token (row 0, token 1) left the trained mask: no advantage there, not counted
+    assert batch["rejection_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert float(batch["advantages"][0, 1]) == 0.0
     metrics = alg.metrics(batch)
     assert metrics["rollout_corr/rs_masked_fraction"] == pytest.approx(1 / 6)
-    mb = Batch({k: batch[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights")})
-    ctx = LossContext(6, 3)
+    mb = Batch({k: batch[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights",
+                                      "rejection_mask")})
+    ctx = LossContext(5, 3)  # what rlx.step counts from the trained mask: 5 tokens
     lp = RC_OLD.clone().requires_grad_(True)  # on-policy: each token's loss is -w_t A_t
     loss, _ = ActorLoss(opts)({"log_probs": lp, "entropy": torch.zeros_like(lp)}, mb, ctx)
     adv = batch["advantages"][:, 0].double()
-    want = -(1.5 * adv[0] + (math.exp(0.2) + math.exp(0.1) + math.exp(0.3)) * adv[1] + math.exp(-0.05) * adv[2]) / 6
+    want = -(1.5 * adv[0] + (math.exp(0.2) + math.exp(0.1) + math.exp(0.3)) * adv[1] + math.exp(-0.05) * adv[2]) / 5
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-6)
 
 
@@ -559,8 +560,15 @@ def test_from_verl_maps_rollout_correction(pm):
                   pm)
     assert t.unmapped == []
     assert t.settings[rc + "rollout_is"] == "sequence" and t.settings[rc + "rollout_rs_threshold"] == "0.5_2.0"
-    bypass = translate({"algorithm.adv_estimator": "grpo", rc + "bypass_mode": True}, pm)
-    assert [k for k, _ in bypass.unmapped] == [rc + "bypass_mode"]
+    bypass = translate({"algorithm.adv_estimator": "grpo", rc + "bypass_mode": True, rc + "loss_type": "reinforce"},
+                       pm)
+    assert bypass.unmapped == []
+    assert bypass.settings[rc + "bypass_mode"] is True and bypass.settings[rc + "loss_type"] == "reinforce"
+    # verl's bypass mode replaces the actor's loss_mode: said in a note, and in the translated config
+    replaced = translate({"algorithm.adv_estimator": "grpo", rc + "bypass_mode": True,
+                          "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, pm)
+    assert replaced.settings["algorithm.policy_loss"] == "bypass_mode"
+    assert any("replaces the actor's loss_mode=gspo" in n for n in replaced.notes)
 
 
 @pytest.mark.parametrize("name", ["sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"])
