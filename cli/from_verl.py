@@ -463,6 +463,8 @@ IGNORED: dict[str, str] = {
     "only", RO + "skip_tokenizer_init": "whether the engine loads a tokenizer of its own (it takes and returns "
     "token ids either way): " + _PLACEMENT,
     RO + "checkpoint_engine.": "how verl moves the weights to the engine (transport backend): " + _PLACEMENT,
+    AA + "calculate_sum_pi_squared": "verl's switch for the sum over the vocabulary of pi^2 in its old-log-prob "
+    "pass: rlx's pass computes it whenever the advantage estimator requires it (the optimal-token-baseline ones)",
 }
 
 # verl's engine settings -> the option of each rlx engine that has one; with an engine that has none, the

@@ -18,12 +18,12 @@ steps minus the first 5), with grpo, the preset's default, at 0.93 (seed 1) for 
 
 The three losses without a clipped ratio (gpg: -A log pi; cispo: a clipped but detached weight times log pi; kl_cov:
 a KL penalty on a few tokens only) push a negative sample's log-prob down without bound over the preset's 2 epochs
-of 4 mini-batches each; at the preset's actor lr of 3e-3 they learn weakly and unevenly (gpg 0.35 0.10 0.39,
+of 4 mini-batches each; at the preset's actor lr of 1e-3 they learn weakly and unevenly (gpg 0.35 0.10 0.39,
 cispo 0.36 0.23 0.24, kl_cov 0.20 0.38 0.68; one epoch, or one mini-batch per step, was no better), so they are
 tested at lr 3e-4, where they learn on every seed. grpo_passk trains only each group's best response (pass@k, not
 the mean reward, is what it improves), so its reward hardly rises and only its accuracy is checked. Every
 threshold sits well below the least measured value and above 0.10, where a run that does not learn stays (it finds
-the most frequent answer by step 20: gpg at lr 3e-3, seed 2, ended at 0.10). Eleven runs, two at a time (about 7
+the most frequent answer by step 20: gpg at lr 1e-3, seed 2, ended at 0.10). Eleven runs, two at a time (about 7
 minutes on 2 cores).
 """
 

@@ -569,6 +569,10 @@ def test_from_verl_maps_rollout_correction(pm):
                           "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, pm)
     assert replaced.settings["algorithm.policy_loss"] == "bypass_mode"
     assert any("replaces the actor's loss_mode=gspo" in n for n in replaced.notes)
+    # verl's switch for the pass the optimal token baseline reads: rlx's pass computes it when the estimator asks
+    otb = translate({"algorithm.adv_estimator": "optimal_token_baseline",
+                     "actor_rollout_ref.actor.calculate_sum_pi_squared": True}, pm)
+    assert otb.unmapped == [] and otb.settings["algorithm.adv_estimator"] == "optimal_token_baseline"
 
 
 @pytest.mark.parametrize("name", ["sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"])

@@ -54,7 +54,7 @@ NOISE_ONLY, NOISE_ATOL = "k_proj.bias", 1e-5
 DYNAMIC_ATOL = 1e-5
 # The first epoch is on-policy: its ppo_kl is rounding noise around 0 (about 1e-7 either way).
 METRIC_ATOL = 1e-6
-# `rlx train` for 3 steps at the tiny preset's lr (3e-3): the few elements whose gradients sit near AdamW's eps.
+# `rlx train` for 3 steps at the tiny preset's lr (1e-3): the few elements whose gradients sit near AdamW's eps.
 CLI_NOISE_ATOL = 1e-4
 
 
@@ -353,10 +353,10 @@ def test_rlx_train_with_sp_2_repeats_the_data_parallel_run(tmp_path: Path) -> No
     for step, (a, b) in enumerate(zip(rows1, rows2)):
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=METRIC_ATOL), f"step {step}: {k}"
-    # Three AdamW steps at the preset's lr of 3e-3: an element whose gradient is near AdamW's eps (1e-8) moves
+    # Three AdamW steps at the preset's lr of 1e-3: an element whose gradient is near AdamW's eps (1e-8) moves
     # by lr * g / (|g| + eps), so the rounding of that gradient (the two runs add it up in another order)
     # reaches the weight almost undamped: 1 element of 8192 in one tensor differed by 1.1e-5 (a step moves
-    # a weight by up to 3e-3). Everything else agrees to 1e-6; a real difference moves far more elements.
+    # a weight by up to 1e-3). Everything else agrees to 1e-6; a real difference moves far more elements.
     for k, v in w1.items():
         off = (w2[k] - v).abs()
         assert off.max() <= CLI_NOISE_ATOL, f"{k}: {off.max():.2e}"
