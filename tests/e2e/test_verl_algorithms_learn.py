@@ -17,6 +17,11 @@ steps minus the first 5), with grpo, the preset's default, at 0.93 (seed 1) for 
     policy_loss=kl_cov, lr 3e-4            0.53 0.50 0.60   rise 0.19 0.22 0.23
     policy_loss=gpg, lr 3e-4               0.33 0.25 0.49   rise 0.09 0.15 0.17
 
+Seeds 1 and 2 of the first eight rows and the unclipped losses at lr 1e-3 were measured before the hf engine's
+default micro-batch changed (cadb9f1: another sampling order, so another trajectory of the same seed); on today's
+engine seed 1 gave 0.82, 0.82, 0.85, 0.76, 0.81 (tir_optimal_token_baseline), 0.66, 0.58, 0.89, 0.78, 0.53, 0.53
+and 0.33 in the order of CASES below (docs/algorithms.md has the table).
+
 The three losses without a clipped ratio (gpg: -A log pi; cispo: a clipped but detached weight times log pi; kl_cov:
 a KL penalty on a few tokens only) push a negative sample's log-prob down without bound over the preset's 2 epochs
 of 4 mini-batches each; at the preset's actor lr of 1e-3 they learn weakly and unevenly (gpg 0.35 0.10 0.39,
