@@ -59,7 +59,7 @@ CASES: dict[str, tuple[list[str], float, float | None, list[str]]] = {
     "optimal_token_baseline": (["algorithm.adv_estimator=optimal_token_baseline"], 0.3, 0.1, []),
     "tir_optimal_token_baseline": (["algorithm.adv_estimator=tir_optimal_token_baseline"], 0.3, 0.1, []),
     "sapo": (["algorithm.policy_loss=sapo"], 0.25, 0.1, []),
-    "clip_cov": (["algorithm.policy_loss=clip_cov"], 0.4, 0.3, []),
+    "clip_cov": (["algorithm.policy_loss=clip_cov"], 0.3, 0.15, []),
     "geo_mean": (["algorithm.policy_loss=geo_mean"], 0.5, 0.3, []),
     "bypass_mode": (["algorithm.policy_loss=bypass_mode"], 0.5, 0.3,
                     ["rollout_corr/is_weight_mean", "rollout_corr/kl", "rollout_corr/chi2_token"]),
