@@ -126,6 +126,7 @@ def grpo_passk(inputs: EstimatorInputs) -> Pair:
 
 
 def _optimal_token_baseline(inputs: EstimatorInputs, align: str, zero_tail: bool) -> Pair:
+    from rlx.errors import ConfigError
     from rlx.plugins.algorithms import functional as F
 
     if inputs.old_log_probs is None or inputs.sum_pi_squared is None:
@@ -133,12 +134,12 @@ def _optimal_token_baseline(inputs: EstimatorInputs, align: str, zero_tail: bool
                            "provides them to an estimator that requires sum_pi_squared)")
     unknown = set(inputs.options) - {"handle_zero_tail"}
     if unknown:
-        raise ValueError(f"algorithm.estimator_options: unknown option(s) {sorted(unknown)} for the optimal token "
-                         "baseline (it takes handle_zero_tail)")
+        raise ConfigError([f"algorithm.estimator_options: unknown option(s) {sorted(unknown)} for the optimal "
+                           "token baseline (it takes handle_zero_tail)"])
     handle_zero_tail = inputs.options.get("handle_zero_tail", zero_tail)
     if not isinstance(handle_zero_tail, bool):
-        raise ValueError(f"algorithm.estimator_options.handle_zero_tail must be true or false, got "
-                         f"{handle_zero_tail!r}")
+        raise ConfigError([f"algorithm.estimator_options.handle_zero_tail must be true or false, got "
+                           f"{handle_zero_tail!r}"])
     return F.optimal_token_baseline_advantages(
         inputs.token_level_rewards, inputs.response_mask, inputs.group_index, inputs.old_log_probs,
         inputs.sum_pi_squared, rollout_is_weights=inputs.rollout_is_weights, handle_zero_tail=handle_zero_tail,

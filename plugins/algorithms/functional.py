@@ -69,7 +69,6 @@ __all__ = [
     "ppo_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
-    "reinforce_policy_loss",
     "remax_advantages",
     "rloo_advantages",
     "rollout_correction_weights",
@@ -1250,32 +1249,6 @@ def _mismatch_stats(old: torch.Tensor, rollout: torch.Tensor, d: torch.Tensor, m
             "training_ppl": float(torch.exp(-mean_old).mean()), "rollout_ppl": float(torch.exp(-mean_rollout).mean())}
 
 
-def reinforce_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float | None = None,
-    agg_mode: str = "token-mean",
-    num_tokens: Number | torch.Tensor | None = None,
-    num_seqs: Number | torch.Tensor | None = None,
-    max_len: int | None = None,
-    token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """REINFORCE on the sampled tokens: l_t = -w_t A_t logp_t, w the (detached) ``token_weights`` or 1; no ratio, no
-    clipping (the clip ranges are accepted for a common signature and ignored). ``ppo_kl``: mean of old - logp, as
-    verl's (with old the rollout policy's log-probs in bypass mode)."""
-    del clip_low, clip_high, clip_ratio_c
-    log_probs, old_log_probs, advantages, _ = _token_log_ratio(log_probs, old_log_probs, advantages, response_mask)
-    loss = _aggregate(-advantages * log_probs, response_mask, agg_mode, token_weights, num_tokens, num_seqs, max_len)
-    with torch.no_grad():
-        ppo_kl = masked_mean(old_log_probs - log_probs, response_mask).item()
-    return loss, {"ppo_kl": ppo_kl}
-
-
 def bypass_policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -1305,8 +1278,8 @@ def bypass_policy_loss(
 
     * ``loss_type="ppo_clip"``: :func:`ppo_policy_loss` with ratio pi / pi_rollout; the IS weights are only
       reported (the clipped ratio already is the importance correction; weighting again would count it twice);
-    * ``loss_type="reinforce"``: :func:`reinforce_policy_loss` weighted by the truncated IS weights
-      (``rollout_is``; none: plain REINFORCE).
+    * ``loss_type="reinforce"``: REINFORCE, -w A logp (:func:`gpg_policy_loss`, the same loss), w the truncated IS
+      weights of ``rollout_is`` (none: plain REINFORCE).
 
     ``token_weights`` from the caller multiply on top. Metrics: the loss's, plus the correction's prefixed
     ``rollout_corr/``.
@@ -1326,8 +1299,8 @@ def bypass_policy_loss(
                                         clip_high=clip_high, clip_ratio_c=clip_ratio_c, agg_mode=agg_mode,
                                         token_weights=extra, **norm)
     else:
-        loss, metrics = reinforce_policy_loss(log_probs, old_log_probs, advantages, mask, agg_mode=agg_mode,
-                                              token_weights=extra, **norm)
+        loss, metrics = gpg_policy_loss(log_probs, old_log_probs, advantages, mask, agg_mode=agg_mode,
+                                        token_weights=extra, **norm)
     metrics.update({f"rollout_corr/{k}": v for k, v in rc.items()})
     return loss, metrics
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,42 +59,57 @@ EXTRA_METRICS = {
 }
 
 
-def train(folder: Path, algorithm: str) -> subprocess.CompletedProcess:
+def train_tiny(folder: Path, name: str, overrides: list[str], steps: int) -> subprocess.CompletedProcess:
+    """`rlx train --preset tiny OVERRIDES` with seed 1 for `steps` steps into folder/name, validating before
+    training and every 20 steps, one torch thread (also used by test_verl_algorithms_learn.py)."""
     return subprocess.run(
-        [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--algorithm", algorithm, "trainer.seed=1",
+        [sys.executable, "-m", "rlx", "train", "--preset", "tiny", *overrides, "trainer.seed=1",
          "trainer.val_before_train=true",
-         f"trainer.total_steps={THRESHOLDS[algorithm][0]}", "trainer.loggers=[jsonl]", "trainer.save_freq=0",
-         "trainer.save_hf_model=false", "trainer.log_samples=0", f"trainer.output_dir={folder / algorithm}"],
+         f"trainer.total_steps={steps}", "trainer.loggers=[jsonl]", "trainer.save_freq=0",
+         "trainer.save_hf_model=false", "trainer.log_samples=0", f"trainer.output_dir={folder / name}"],
         cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Train every algorithm this session selected (`-k` may select a few), two runs at a time."""
-    selected = [item.callspec.params["algorithm"] for item in request.session.items
+def train_selected(request: pytest.FixtureRequest, folder: Path, param: str,
+                   case: Callable[[str], tuple[list[str], int]]) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Train every case of the requesting module that this session selected (`-k` may select a few), two runs at a
+    time; `case(name)` gives its overrides and steps."""
+    selected = [item.callspec.params[param] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")]
-    folder = tmp_path_factory.mktemp("learn")
     with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(selected, pool.map(lambda a: train(folder, a), selected)))
-    return {a: (proc, folder / a) for a, proc in done.items()}
+        done = dict(zip(selected, pool.map(lambda n: train_tiny(folder, n, *case(n)), selected)))
+    return {n: (proc, folder / n) for n, proc in done.items()}
 
 
-@pytest.mark.parametrize("algorithm", list(THRESHOLDS))
-def test_algorithm_learns_the_builtin_task(runs, algorithm: str) -> None:
-    proc, folder = runs[algorithm]
+def learning_curve(name: str, proc: subprocess.CompletedProcess, folder: Path, steps: int
+                   ) -> tuple[list[dict[str, Any]], dict[int, float], float]:
+    """The run's training rows, its accuracy by step and its reward rise (mean of the last 10 steps minus the
+    first 5), after checking that it ran, validated every 20 steps and started at chance."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(folder)
     train_rows = [r for r in rows if "reward/mean" in r]
     val = {r["step"]: r[ACC] for r in rows if ACC in r}
     rewards = [r["reward/mean"] for r in train_rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    steps, min_acc, min_rise = THRESHOLDS[algorithm]
-    print(f"{algorithm}: accuracy {val}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
+    print(f"{name}: accuracy {val}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
     assert sorted(val) == list(range(0, steps + 1, 20)), sorted(val)  # before training, then every 20 steps
     assert val[0] <= 0.2, f"the warm-started model should be at chance, got accuracy {val[0]}"
+    return train_rows, val, last - first
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    return train_selected(request, tmp_path_factory.mktemp("learn"), "algorithm",
+                          lambda a: (["--algorithm", a], THRESHOLDS[a][0]))
+
+
+@pytest.mark.parametrize("algorithm", list(THRESHOLDS))
+def test_algorithm_learns_the_builtin_task(runs, algorithm: str) -> None:
+    steps, min_acc, min_rise = THRESHOLDS[algorithm]
+    train_rows, val, rise = learning_curve(algorithm, *runs[algorithm], steps)
     assert val[steps] >= min_acc, f"final exact-match accuracy {val[steps]:.2f} < {min_acc} ({val})"
-    assert last - first >= min_rise, (first, last)
+    assert rise >= min_rise, rise
     for key in ["actor/pg_loss", "actor/pg_clipfrac_low", "actor/pg_clipfrac_high", "actor/ppo_kl", "actor/entropy",
                 "critic/advantages/mean", "critic/returns/mean", "reward/arith/correct", *EXTRA_METRICS[algorithm]]:
         assert key in train_rows[-1], key

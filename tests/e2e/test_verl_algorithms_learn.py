@@ -37,19 +37,15 @@ minutes on 2 cores).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
-
-from rlx.plugins.loggers.jsonl import read_metrics
+from test_algorithms_learn import learning_curve, train_selected
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
-ACC, STEPS = "val/rlx/arith/acc", 80
+STEPS = 80
 SLOW_LR = ["actor.optim.lr=0.0003"]
 # name: (overrides, least final accuracy, least reward rise or None, metrics it must report)
 CASES: dict[str, tuple[list[str], float, float | None, list[str]]] = {
@@ -69,42 +65,18 @@ CASES: dict[str, tuple[list[str], float, float | None, list[str]]] = {
 }
 
 
-def train(folder: Path, name: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlx", "train", "--preset", "tiny", *CASES[name][0], "trainer.seed=1",
-         "trainer.val_before_train=true", f"trainer.total_steps={STEPS}", "trainer.loggers=[jsonl]",
-         "trainer.save_freq=0", "trainer.save_hf_model=false", "trainer.log_samples=0",
-         f"trainer.output_dir={folder / name}"],
-        cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Train every case this session selected (`-k` may select a few), two runs at a time."""
-    selected = [item.callspec.params["name"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")]
-    folder = tmp_path_factory.mktemp("learn-verl")
-    with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(selected, pool.map(lambda n: train(folder, n), selected)))
-    return {n: (proc, folder / n) for n, proc in done.items()}
+         ) -> dict[str, tuple[CompletedProcess, Path]]:
+    return train_selected(request, tmp_path_factory.mktemp("learn-verl"), "name", lambda n: (CASES[n][0], STEPS))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_verl_algorithm_learns_the_builtin_task(runs, name: str) -> None:
-    proc, folder = runs[name]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(folder)
-    train_rows = [r for r in rows if "reward/mean" in r]
-    val = {r["step"]: r[ACC] for r in rows if ACC in r}
-    rewards = [r["reward/mean"] for r in train_rows]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     _, min_acc, min_rise, extra = CASES[name]
-    print(f"{name}: accuracy {val}, reward first 5 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert sorted(val) == list(range(0, STEPS + 1, 20)), sorted(val)
-    assert val[0] <= 0.2, f"the warm-started model should be at chance, got accuracy {val[0]}"
+    train_rows, val, rise = learning_curve(name, *runs[name], STEPS)
     assert val[STEPS] >= min_acc, f"final exact-match accuracy {val[STEPS]:.2f} < {min_acc} ({val})"
     if min_rise is not None:
-        assert last - first >= min_rise, (first, last)
+        assert rise >= min_rise, rise
     for key in ["actor/pg_loss", "actor/entropy", "critic/advantages/mean", *extra]:
         assert key in train_rows[-1], key

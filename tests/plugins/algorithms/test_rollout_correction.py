@@ -316,8 +316,12 @@ def test_optimal_token_baseline_estimator_options(pm_estimators):
     fn = pm_estimators.get("advantage", "optimal_token_baseline").load_factory()
     adv, _ = fn(inputs)
     assert float(adv[0, 1]) == 1.0  # past the shorter response's end the baseline is 0: A = G = 1
-    with pytest.raises(ValueError, match="handle_zero_tail"):
+    from rlx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="handle_zero_tail"):
         fn(EstimatorInputs(**{**inputs.__dict__, "options": {"zero_tail": True}}))
+    with pytest.raises(ConfigError, match="true or false"):
+        fn(EstimatorInputs(**{**inputs.__dict__, "options": {"handle_zero_tail": "yes"}}))
     no_sps = EstimatorInputs(**{**inputs.__dict__, "sum_pi_squared": None})
     with pytest.raises(RuntimeError, match="sum_pi_squared"):
         fn(no_sps)
