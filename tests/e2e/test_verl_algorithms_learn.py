@@ -8,7 +8,7 @@ steps minus the first 5), with grpo, the preset's default, at 0.93 (seed 1) for 
     adv_estimator=grpo_passk               0.75 0.32 0.27   rise 0.15 0.05 0.05
     adv_estimator=gpg                      0.98 0.97  -    rise 0.86 0.77
     adv_estimator=optimal_token_baseline   0.97 0.69 0.57   rise 0.70 0.30 0.27
-    adv_estimator=tir_optimal_token_baseline  0.81  -   -    rise 0.38
+    adv_estimator=tir_optimal_token_baseline  0.81 0.97 0.82  rise 0.38 0.73 0.53
     policy_loss=sapo                       0.78 0.44 0.74   rise 0.50 0.22 0.67
     policy_loss=clip_cov                   0.80 0.92 0.94   rise 0.65 0.72 0.79
     policy_loss=geo_mean                   0.98 0.99  -    rise 0.85 0.82
@@ -28,8 +28,8 @@ of 4 mini-batches each; at the preset's actor lr of 1e-3 they learn weakly and u
 cispo 0.36 0.23 0.24, kl_cov 0.20 0.38 0.68; one epoch, or one mini-batch per step, was no better), so they are
 tested at lr 3e-4, where they learn on every seed. grpo_passk trains only each group's best response (pass@k, not
 the mean reward, is what it improves), so its reward hardly rises and only its accuracy is checked. On single-turn
-responses tir_optimal_token_baseline is optimal_token_baseline with handle_zero_tail on (measured on seed 1 only),
-so it has the same thresholds. Every
+responses tir_optimal_token_baseline is optimal_token_baseline with handle_zero_tail on; it has the same
+thresholds. Every
 threshold sits well below the least measured value and above 0.10, where a run that does not learn stays (it finds
 the most frequent answer by step 20: gpg at lr 1e-3, seed 2, ended at 0.10). Twelve runs, two at a time (about 8
 minutes on 2 cores).
