@@ -6,12 +6,12 @@ steps minus the first 5), with grpo, the preset's default, at 0.93 (seed 1) for 
 
     adv_estimator=opo                      0.80 0.92 0.69   rise 0.53 0.60 0.42
     adv_estimator=grpo_passk               0.75 0.32 0.27   rise 0.15 0.05 0.05
-    adv_estimator=gpg                      0.98 0.97  -    rise 0.86 0.77
+    adv_estimator=gpg                      0.98 0.97 0.91   rise 0.86 0.77 0.71
     adv_estimator=optimal_token_baseline   0.97 0.69 0.57   rise 0.70 0.30 0.27
     adv_estimator=tir_optimal_token_baseline  0.81 0.97 0.82  rise 0.38 0.73 0.53
     policy_loss=sapo                       0.78 0.44 0.74   rise 0.50 0.22 0.67
     policy_loss=clip_cov                   0.80 0.92 0.94   rise 0.65 0.72 0.79
-    policy_loss=geo_mean                   0.98 0.99  -    rise 0.85 0.82
+    policy_loss=geo_mean                   0.98 0.99 1.00   rise 0.85 0.82 0.85
     policy_loss=bypass_mode                0.96 0.95 0.95   rise 0.76 0.80 0.72
     policy_loss=cispo, lr 3e-4             0.53 0.66 0.56   rise 0.18 0.31 0.28
     policy_loss=kl_cov, lr 3e-4            0.53 0.50 0.60   rise 0.19 0.22 0.23
