@@ -199,7 +199,8 @@ def export_command(
 
     model_path = resolve_path(cfg.critic.model_path if role == "critic" and cfg.critic.model_path else cfg.model.path)
     spec = RoleSpec(role=role, model_path=model_path, trainable=False, dtype="float32",
-                    value_head=role == "critic", seed=cfg.trainer.seed, trust_remote_code=cfg.model.trust_remote_code)
+                    value_head=role == "critic", seed=cfg.trainer.seed, trust_remote_code=cfg.model.trust_remote_code,
+                    config_overrides=dict(cfg.model.override_config))
     tmp = _prepare_out(out)
     try:
         # A backend whose checkpoints load only where it trains (megatron: on GPUs) reads them with its own

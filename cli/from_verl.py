@@ -851,6 +851,25 @@ SPECIAL: dict[str, Special] = {
 }
 
 
+OVERRIDE_CONFIG = MODEL + "override_config"
+
+
+def _override_config(key: str, value: Any, t: Translation) -> None:
+    """verl's ``model.override_config.ATTR`` sets ATTR on the model's Hugging Face config, as rlx's
+    ``model.override_config.ATTR``; the megatron workers read the same attributes under ``model_config.`` (verl's
+    engine workers take either form). ``attn_implementation`` there picks verl's attention kernel."""
+    name = key[len(OVERRIDE_CONFIG):].lstrip(".")
+    if not name:
+        if value in (None, {}):
+            raise _Ignored("empty: the model's config as it is")
+        raise _Unmapped(f"{value!r} is not a mapping of config attributes")
+    if name.startswith("model_config."):
+        name = name[len("model_config."):]
+    if name == "attn_implementation":
+        raise _Ignored("the attention kernel (rlx: backend.attn_implementation): " + _PLACEMENT)
+    t.set(f"model.override_config.{name}", value, key)
+
+
 def _bypass_mode(value: Any, t: Translation, verl: dict[str, Any]) -> None:
     if not isinstance(value, bool):
         raise _Unmapped(f"{value!r} is not true or false")
@@ -1409,6 +1428,9 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                     _reward_engine(key, verl)
                 if key in VISION_KEYS:
                     raise _Unmapped(VISION)
+                if key.startswith(MODEL + "override_config"):
+                    _override_config(key, value, t)
+                    continue
                 if key.startswith(MODEL + "lora."):
                     raise _Unmapped("verl's LoRA for the megatron strategy: rlx's megatron backend has no LoRA "
                                     "(rlx's fsdp2 backend does: actor_rollout_ref.model.lora_rank with strategy "

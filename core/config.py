@@ -79,6 +79,24 @@ class ModelConfig(_Section):
     exclude_modules: list[str] = Field(default_factory=list,
                                        description="Module names or name suffixes that get no adapter.")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    override_config: dict[str, Any] = Field(
+        default_factory=dict, description="Attributes of the model's Hugging Face config (config.json) set before "
+        "the model is built, e.g. model.override_config.max_position_embeddings=32768; a mapping sets the "
+        "attributes of a sub-config (text_config: {...}). Applied wherever the model is loaded: the policy, the "
+        "reference, the critic and the rollout engines (hf; vLLM's hf_overrides, SGLang's "
+        "json_model_override_args). An attribute the config does not have is a config error.")
+
+    @field_validator("override_config")
+    @classmethod
+    def _attribute_names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        def check(tree: dict[str, Any], where: str) -> None:
+            for key, value in tree.items():
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise ValueError(f"the key {where}{key} is not an attribute name (a Python identifier)")
+                if isinstance(value, dict):
+                    check(value, f"{where}{key}.")
+        check(v, "")
+        return v
 
     # Before pydantic's own checks: the section coerces numbers to strings, and 5 is no module's name.
     @field_validator("target_modules", mode="before")

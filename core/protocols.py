@@ -115,6 +115,8 @@ class RoleSpec:
     trust_remote_code: bool = False
     forward: ForwardOptions = field(default_factory=ForwardOptions)
     lora: LoraSpec | None = None  # None: every weight trains (no adapters)
+    # model.override_config: attributes set on the Hugging Face config before the model is built
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

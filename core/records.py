@@ -83,10 +83,12 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class RoleSettings:
-    """A role's settings from the config (``rlx.step.role_settings``): its forward options and LoRA."""
+    """A role's settings from the config (``rlx.step.role_settings``): its forward options, LoRA and the
+    attributes set on its Hugging Face config (``model.override_config``)."""
 
     forward: ForwardOptions = ForwardOptions()
     lora: LoraSpec | None = None
+    config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def lora_spec(model: Any) -> LoraSpec | None:

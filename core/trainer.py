@@ -47,7 +47,7 @@ from rlx.run import checkpoint
 from rlx.run.data import PromptLoader, collate, load_prompts, resolve_path
 from rlx.run.files import check_run_folder_links, is_private, make_tree_private, write_private
 from rlx.run.metrics import FlopsCounter, mfu_metrics, peak_tflops
-from rlx.run.models import check_model_folder, load_tokenizer
+from rlx.run.models import check_config_overrides, check_model_folder, load_tokenizer
 from rlx.run.reward_worker import RewardWorker
 from rlx.step import role_settings
 from rlx.validate import Resolved
@@ -141,6 +141,8 @@ class Trainer:
         if cfg.critic.model_path:
             check_model_folder(resolve_path(cfg.critic.model_path), cfg.model.trust_remote_code, tokenizer=False,
                                key="critic.model_path")
+        if cfg.model.override_config:  # an attribute the model's config lacks is named before any load
+            check_config_overrides(cfg)
         self.run_dir = cfg.run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         check_run_folder_links(self.run_dir)  # its own files are never links to elsewhere
@@ -236,7 +238,7 @@ class Trainer:
             trust_remote_code=cfg.model.trust_remote_code,
             forward=dataclasses.replace(
                 settings.forward, log_prob_micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device),
-            lora=settings.lora,
+            lora=settings.lora, config_overrides=dict(settings.config_overrides),
         )
 
     def _critic_spec(self) -> RoleSpec:

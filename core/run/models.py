@@ -228,3 +228,84 @@ def load_tokenizer(path: str, trust_remote_code: bool, *, key: str = "model.path
         raise UserError(f"{key}: the tokenizer at {path!r} has no chat template.",
                         "Use an instruct/chat model, or a model.tokenizer_path whose tokenizer has one.")
     return tok
+
+
+def apply_config_overrides(config: Any, overrides: dict[str, Any], *, key: str = "model.override_config") -> Any:
+    """Set the attributes ``overrides`` names on the Hugging Face ``config`` (``model.override_config``) and
+    return it. A mapping given for an attribute that holds a sub-config (``text_config``) sets that sub-config's
+    attributes; any other value replaces the attribute whole (``rope_scaling`` takes a mapping). An attribute the
+    config does not have is a :class:`~rlx.errors.ConfigError` naming it: set on a config, it would be kept and
+    silently ignored by the model."""
+    from rlx.errors import ConfigError
+
+    problems = config_override_problems(config, overrides, key=key)
+    if problems:
+        raise ConfigError(problems)
+    _set_overrides(config, overrides)
+    return config
+
+
+def config_override_problems(config: Any, overrides: dict[str, Any], *,
+                             key: str = "model.override_config") -> list[str]:
+    """What :func:`apply_config_overrides` would refuse: each attribute of ``overrides`` that ``config`` lacks."""
+    problems: list[str] = []
+    for name, value in overrides.items():
+        where = f"{key}.{name}"
+        if not hasattr(config, name):
+            known = sorted(k for k in config.to_dict() if not k.startswith("_"))
+            problems.append(f"{where}: the model's config ({type(config).__name__}) has no attribute {name!r}."
+                            f"{did_you_mean(name, known)}")
+        elif isinstance(value, dict) and _is_sub_config(getattr(config, name)):
+            problems.extend(config_override_problems(getattr(config, name), value, key=where))
+    return problems
+
+
+def _is_sub_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
+
+
+def _set_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    import copy
+
+    for name, value in overrides.items():
+        if isinstance(value, dict) and _is_sub_config(getattr(config, name)):
+            _set_overrides(getattr(config, name), value)
+        else:
+            setattr(config, name, copy.deepcopy(value))
+
+
+def load_hf_config(path: str, trust_remote_code: bool, overrides: dict[str, Any] | None = None,
+                   **kwargs: Any) -> Any:
+    """The Hugging Face config of the model at ``path`` (``AutoConfig``, ``kwargs`` passed on) with
+    ``model.override_config`` applied (:func:`apply_config_overrides`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    return apply_config_overrides(config, overrides or {})
+
+
+def check_config_overrides(cfg: Any) -> None:
+    """Before any model loads: every attribute ``model.override_config`` names is one the policy's config (and
+    the critic's, where ``critic.model_path`` gives another model) has; a :class:`~rlx.errors.ConfigError`
+    naming each one it lacks otherwise. Reads only the configs."""
+    from transformers import AutoConfig
+
+    from rlx.errors import ConfigError
+    from rlx.run.data import resolve_path
+
+    overrides = cfg.model.override_config
+    paths = [("model.path", cfg.model.path)]
+    if cfg.critic.model_path:
+        paths.append(("critic.model_path", cfg.critic.model_path))
+    problems: list[str] = []
+    for key, path in paths:
+        try:
+            config = AutoConfig.from_pretrained(resolve_path(path), trust_remote_code=cfg.model.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{key}: cannot read the model's config to check model.override_config: {exc}") from None
+        found = config_override_problems(config, overrides)
+        problems.extend(p if key == "model.path" else f"{p} ({key} {path!r})" for p in found)
+    if problems:
+        raise ConfigError(problems)

@@ -77,6 +77,7 @@ from rlx.plugins.modeling.dist import (
 )
 from rlx.plugins.modeling.model import (
     check_attention,
+    hf_config,
     load_value_model,
     pick_device,
     restore_scheduler,
@@ -241,9 +242,7 @@ class FSDPWorker(TorchWorker):
 
     # -- building --------------------------------------------------------------------------------
     def _config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.spec.model_path, trust_remote_code=self.spec.trust_remote_code)
+        return hf_config(self.spec)
 
     def _load_full(self) -> Any:
         """The role's Hugging Face model from its folder, on the CPU in the master dtype."""
@@ -252,17 +251,17 @@ class FSDPWorker(TorchWorker):
         if self.spec.value_head:
             return load_value_model(self.spec, self.master_dtype, self.options.attn_implementation)
         return AutoModelForCausalLM.from_pretrained(
-            self.spec.model_path, dtype=self.master_dtype, trust_remote_code=self.spec.trust_remote_code,
-            attn_implementation=self.options.attn_implementation)
+            self.spec.model_path, config=hf_config(self.spec), dtype=self.master_dtype,
+            trust_remote_code=self.spec.trust_remote_code, attn_implementation=self.options.attn_implementation)
 
     def _empty_model(self) -> Any:
         """The role's model built from its config on the meta device (no memory, no initialisation)."""
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         spec = self.spec
         kwargs: dict[str, Any] = {"num_labels": 1} if spec.value_head else {}
-        config = AutoConfig.from_pretrained(spec.model_path, trust_remote_code=spec.trust_remote_code, **kwargs)
+        config = hf_config(spec, **kwargs)
         if spec.value_head:
             config.classifier_dropout = 0.0
         cls = AutoModelForTokenClassification if spec.value_head else AutoModelForCausalLM

@@ -485,7 +485,10 @@ class MegatronWorker:
         self.spec, self.options = spec, options
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
-        self.hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
+        from rlx.run.models import apply_config_overrides
+
+        self.hf_config = apply_config_overrides(read_hf_config(spec.model_path, spec.trust_remote_code),
+                                                spec.config_overrides)
         check_architecture(self.hf_config, spec.model_path)
         check_engine(options)
         # The rank's GPU is current before megatron-core creates its NCCL groups and CUDA random states.
@@ -882,7 +885,10 @@ def build(options: MegatronOptions | None, ctx: BuildContext) -> MegatronBackend
         from rlx.run.data import resolve_path
 
         path = resolve_path(path)
-        hf_config = read_hf_config(path, ctx.config.model.trust_remote_code)
+        from rlx.run.models import apply_config_overrides
+
+        hf_config = apply_config_overrides(read_hf_config(path, ctx.config.model.trust_remote_code),
+                                           ctx.config.model.override_config)
         check_architecture(hf_config, path)
     check_layout(options, _training_processes(ctx), hf_config)
     check_engine(options)

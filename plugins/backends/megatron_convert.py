@@ -531,7 +531,10 @@ def export_checkpoint(checkpoint: str, spec: Any, out: str, tokenizer: Any = Non
     from rlx.plugins.backends.megatron import require_megatron
 
     require_megatron("rlx export of a megatron checkpoint")  # the bridge's tensor conversions
-    hf_config = read_hf_config(spec.model_path, spec.trust_remote_code)
+    from rlx.run.models import apply_config_overrides
+
+    hf_config = apply_config_overrides(read_hf_config(spec.model_path, spec.trust_remote_code),
+                                       getattr(spec, "config_overrides", None) or {})
     check_architecture(hf_config, spec.model_path)
     with warnings.catch_warnings():
         # Importing megatron-core and mbridge warns that Transformer Engine and apex are missing: no layer is

@@ -74,11 +74,11 @@ def load_value_model(spec: RoleSpec, dtype: Any, attn_implementation: str) -> An
     From a causal-LM checkpoint the head is new (initialised from ``spec.seed``); from a checkpoint
     saved by a critic (or any one-label token classifier) it is loaded. Dropout on the head is off.
     """
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     from rlx.errors import UserError
 
-    config = AutoConfig.from_pretrained(spec.model_path, trust_remote_code=spec.trust_remote_code, num_labels=1)
+    config = hf_config(spec, num_labels=1)
     config.classifier_dropout = 0.0
     try:
         return AutoModelForTokenClassification.from_pretrained(
@@ -109,14 +109,23 @@ def forward_micro_batch_size(spec: RoleSpec) -> int:
 def with_role_settings(spec: RoleSpec, settings: dict[str, RoleSettings]) -> RoleSpec:
     """``spec`` with its role's settings from the config (``rlx.step.role_settings``) under its own: each
     forward option the spec leaves at its default takes the config's value, and a spec without LoRA the
-    config's."""
+    config's; so do the Hugging Face config's overrides (``model.override_config``)."""
     import dataclasses
 
     role = settings.get(spec.role)
     if role is None:
         return spec
     return dataclasses.replace(spec, forward=spec.forward.over(role.forward),
-                               lora=spec.lora if spec.lora is not None else role.lora)
+                               lora=spec.lora if spec.lora is not None else role.lora,
+                               config_overrides=spec.config_overrides or dict(role.config_overrides))
+
+
+def hf_config(spec: RoleSpec, **kwargs: Any) -> Any:
+    """The Hugging Face config of the role's model (``AutoConfig``, ``kwargs`` passed on) with the spec's
+    ``config_overrides`` (``model.override_config``) set on it."""
+    from rlx.run.models import load_hf_config
+
+    return load_hf_config(spec.model_path, spec.trust_remote_code, spec.config_overrides, **kwargs)
 
 
 def settings_of(ctx: BuildContext) -> dict[str, RoleSettings]:

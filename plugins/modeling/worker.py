@@ -19,6 +19,7 @@ from rlx.plugins.modeling.head import response_log_probs, response_values
 from rlx.plugins.modeling.model import (
     check_attention,
     forward_micro_batch_size,
+    hf_config,
     load_value_model,
     lr_lambda,
     pick_device,
@@ -82,7 +83,7 @@ class TorchWorker:
             base = load_value_model(spec, dtype, options.attn_implementation)
         else:
             base = AutoModelForCausalLM.from_pretrained(
-                spec.model_path, dtype=dtype, trust_remote_code=spec.trust_remote_code,
+                spec.model_path, config=hf_config(spec), dtype=dtype, trust_remote_code=spec.trust_remote_code,
                 attn_implementation=options.attn_implementation)
         if self.lora is not None:
             from rlx.plugins.modeling import lora

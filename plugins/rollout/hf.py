@@ -61,17 +61,20 @@ class HFRolloutOptions(BaseModel):
 
 class HFRollout:
     def __init__(self, model_path: str, options: HFRolloutOptions, device: str, eos_token_ids: list[int],
-                 pad_token_id: int, trust_remote_code: bool = False) -> None:
+                 pad_token_id: int, trust_remote_code: bool = False,
+                 config_overrides: dict[str, Any] | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from rlx.config import resolve_dtype
         from rlx.plugins.modeling.model import pick_device
+        from rlx.run.models import load_hf_config
 
         self.device = pick_device(device)
         name = resolve_dtype(options.dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, name), trust_remote_code=trust_remote_code,
+            model_path, config=load_hf_config(model_path, trust_remote_code, config_overrides),
+            dtype=getattr(torch, name), trust_remote_code=trust_remote_code,
             attn_implementation=options.attn_implementation,
         ).to(self.device).eval()
         self.model.requires_grad_(False)
@@ -253,7 +256,7 @@ def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
     eos = tok.eos_token_id
     return HFRollout(resolve_path(cfg.model.path), options or HFRolloutOptions(), cfg.trainer.device,
                      [eos] if isinstance(eos, int) else list(eos), tok.pad_token_id,
-                     cfg.model.trust_remote_code)
+                     cfg.model.trust_remote_code, dict(cfg.model.override_config))
 
 
 @hookimpl

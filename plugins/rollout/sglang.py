@@ -173,7 +173,8 @@ class _Server:
 
 class SGLangRollout:
     def __init__(self, model_path: str, options: SGLangRolloutOptions, *, eos_token_ids: list[int],
-                 pad_token_id: int, seed: int, context_length: int | None, trust_remote_code: bool = False) -> None:
+                 pad_token_id: int, seed: int, context_length: int | None, trust_remote_code: bool = False,
+                 config_overrides: dict[str, Any] | None = None) -> None:
         import torch
 
         from rlx.config import resolve_dtype
@@ -205,6 +206,8 @@ class SGLangRollout:
         }
         if options.context_length or context_length:
             kwargs["context_length"] = options.context_length or context_length
+        if config_overrides:  # model.override_config, set on the Hugging Face config SGLang reads
+            kwargs["json_model_override_args"] = json.dumps(config_overrides)
         kwargs.update(options.engine_kwargs)
         self.engine = sglang.Engine(**kwargs)
 
@@ -352,12 +355,21 @@ def engine_arguments(options: SGLangRolloutOptions, ctx: BuildContext) -> dict[s
     return {"model_path": resolve_path(cfg.model.path), "options": options,
             "eos_token_ids": [eos] if isinstance(eos, int) else list(eos), "pad_token_id": tok.pad_token_id,
             "seed": cfg.trainer.seed + ctx.rank, "trust_remote_code": cfg.model.trust_remote_code,
-            "context_length": cfg.data.max_prompt_length + cfg.data.max_response_length}
+            "context_length": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "config_overrides": dict(cfg.model.override_config)}
 
 
 def build(options: SGLangRolloutOptions | None, ctx: BuildContext) -> SGLangRollout:
     options = options or SGLangRolloutOptions()
     problems = options.plugin_problems(None)
+    if ctx.config is not None and ctx.config.model.override_config:
+        if options.server_url is not None:
+            problems.append("server_url: a running server has loaded its model already, so model.override_config "
+                            "cannot reach it; start the server with --json-model-override-args, or leave out "
+                            "model.override_config")
+        elif "json_model_override_args" in options.engine_kwargs:
+            problems.append("engine_kwargs.json_model_override_args: give the config's overrides once, in "
+                            "model.override_config (rlx passes them to SGLang as json_model_override_args)")
     if problems:
         raise UserError("The sglang rollout engine cannot start: " + "; ".join(f"rollout.{p}" for p in problems))
     return SGLangRollout(**engine_arguments(options, ctx))

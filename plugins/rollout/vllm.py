@@ -221,7 +221,8 @@ def _prompt_seed(seed: int, index: int, n: int) -> int:
 
 class VLLMRollout:
     def __init__(self, model_path: str, options: VLLMRolloutOptions, *, eos_token_ids: list[int], pad_token_id: int,
-                 seed: int, max_model_len: int | None, trust_remote_code: bool = False) -> None:
+                 seed: int, max_model_len: int | None, trust_remote_code: bool = False,
+                 config_overrides: dict[str, Any] | None = None) -> None:
         from rlx.errors import require
 
         _quiet_vllm()
@@ -246,6 +247,8 @@ class VLLMRollout:
             kwargs["max_model_len"] = options.max_model_len or max_model_len
         if options.kv_cache_space_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_space_gb * 2**30)
+        if config_overrides:  # model.override_config, set on the Hugging Face config vLLM reads
+            kwargs["hf_overrides"] = dict(config_overrides)
         kwargs.update(options.engine_kwargs)
         self.llm = vllm.LLM(model=model_path, **kwargs)
         self.options = options
@@ -358,12 +361,16 @@ def engine_arguments(options: VLLMRolloutOptions, ctx: BuildContext) -> dict[str
     return {"model_path": resolve_path(cfg.model.path), "options": options,
             "eos_token_ids": [eos] if isinstance(eos, int) else list(eos), "pad_token_id": tok.pad_token_id,
             "seed": cfg.trainer.seed + ctx.rank, "trust_remote_code": cfg.model.trust_remote_code,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length}
+            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "config_overrides": dict(cfg.model.override_config)}
 
 
 def build(options: VLLMRolloutOptions | None, ctx: BuildContext) -> VLLMRollout:
     options = options or VLLMRolloutOptions()
     problems = options.plugin_problems(None)
+    if ctx.config is not None and ctx.config.model.override_config and "hf_overrides" in options.engine_kwargs:
+        problems.append("engine_kwargs.hf_overrides: give the config's overrides once, in model.override_config "
+                        "(rlx passes them to vLLM as hf_overrides)")
     if problems:
         raise UserError("The vllm rollout engine cannot start: " + "; ".join(f"rollout.{p}" for p in problems))
     return VLLMRollout(**engine_arguments(options, ctx))
