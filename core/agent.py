@@ -20,6 +20,7 @@ The reward sees the whole transcript and, as ``RewardBatch.messages``, its turns
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlx.errors import UserError
-from rlx.protocols import SamplingParams, Tool, ToolCall, ToolError, ToolResult
+from rlx.protocols import Interaction, InteractionReply, SamplingParams, Tool, ToolCall, ToolError, ToolResult
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +111,9 @@ class Episode:
         self.log_probs: list[float] = []
         self.end: str = "answer"
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "malformed_calls": 0}
+        self.turn_scores: list[float] = []  # the interaction's scores of the model's answers, in order
         self._bound: dict[str, Tool | None] = {}
+        self._interaction: tuple[str, Interaction, dict[str, Any]] | None = None
 
     @property
     def budget_left(self) -> int:
@@ -182,6 +185,64 @@ class Episode:
         self._bound[name] = tool
         return tool
 
+    @property
+    def has_interaction(self) -> bool:
+        """Whether an interaction answers this episode's turns (``agent.interactions`` is not empty)."""
+        return bool(self._runner.interactions)
+
+    async def interact(self) -> InteractionReply | None:
+        """The interaction's reply to the model's last turn (None without ``agent.interactions``): its score is
+        recorded (``turn_scores``), and unless it ends the episode its ``content`` is appended as a user turn (not
+        trained), followed by the prompt of the model's next turn. The row's ``extra_info.interaction_kwargs.name``
+        picks the interaction (the only one on, where the row names none)."""
+        if not self._runner.interactions:
+            return None
+        name, interaction, kwargs = self._bind_interaction()
+        messages = [dict(m) for m in self.messages]
+        respond = interaction.respond
+        if inspect.iscoroutinefunction(respond):
+            reply = await respond(messages, dict(kwargs))
+        else:
+            reply = await asyncio.to_thread(respond, messages, dict(kwargs))
+        reply = _checked_reply(reply, name)
+        self.stats["interaction_turns"] = self.stats.get("interaction_turns", 0) + 1
+        if reply.score is not None:
+            self.turn_scores.append(reply.score)
+        if not reply.done:
+            self.append_messages([{"role": "user", "content": reply.content}])
+        return reply
+
+    def _bind_interaction(self) -> tuple[str, Interaction, dict[str, Any]]:
+        if self._interaction is not None:
+            return self._interaction
+        available = self._runner.interactions
+        extra = self.row.get("extra_info")
+        given = extra.get("interaction_kwargs") if isinstance(extra, dict) else None
+        if given is not None and not isinstance(given, dict):
+            raise UserError(f"Episode {self.index}: extra_info.interaction_kwargs is a {type(given).__name__}, not a "
+                            "mapping.", "Give each row's interaction_kwargs as {name: ..., ground_truth: ...} "
+                            "(verl's gsm8k_multiturn_w_interaction data has this shape).")
+        kwargs = dict(given or {})
+        name = kwargs.get("name")
+        if name is None:
+            if len(available) != 1:
+                raise UserError(f"Episode {self.index}: its row names no interaction "
+                                "(extra_info.interaction_kwargs.name) and several are on "
+                                f"({', '.join(sorted(available))}).",
+                                "Name one in each row, or turn on one interaction (agent.interactions=[NAME]).")
+            name = next(iter(available))
+        if name not in available:
+            raise UserError(f"Episode {self.index}: its row's interaction {name!r} "
+                            "(extra_info.interaction_kwargs.name) is not on; agent.interactions is "
+                            f"[{', '.join(sorted(available))}].",
+                            "Add it to agent.interactions, or fix the data's interaction_kwargs.name.")
+        kwargs.setdefault("ground_truth", self.row.get("ground_truth"))
+        interaction = available[name]
+        if callable(getattr(interaction, "for_episode", None)):
+            interaction = interaction.for_episode(dict(kwargs))  # type: ignore[attr-defined]
+        self._interaction = (str(name), interaction, kwargs)
+        return self._interaction
+
     def append_messages(self, messages: Sequence[dict[str, Any]]) -> int:
         """Append turns that are not the model's (tool results: ``{"role": "tool", "name": ..., "content": ...}``;
         or a user turn) as the chat template renders them after the model's last turn, followed by the prompt of
@@ -239,8 +300,10 @@ class EpisodeRunner:
     """
 
     def __init__(self, loop: Any, tools: dict[str, Tool], tokenizer: Any, limits: AgentLimits,
-                 generate: Callable[[Batch, SamplingParams], Batch], loop_name: str = "agent loop") -> None:
+                 generate: Callable[[Batch, SamplingParams], Batch], loop_name: str = "agent loop",
+                 interactions: dict[str, Interaction] | None = None) -> None:
         self.loop, self.tools, self.tokenizer, self.limits = loop, tools, tokenizer, limits
+        self.interactions = dict(interactions or {})
         self._generate, self.loop_name = generate, loop_name
         self.max_tokens = 0
         self._params = SamplingParams()
@@ -411,6 +474,14 @@ class EpisodeRunner:
             tensors[f"agent/end/{reason}"] = torch.tensor([float(ep.end == reason) for ep in episodes])
         non = dict(rows.non_tensors)
         non["messages"] = [ep.messages for ep in episodes]
+        if self.interactions:
+            tensors["agent/interaction_turns"] = torch.tensor(
+                [float(ep.stats.get("interaction_turns", 0)) for ep in episodes])
+            tensors["agent/turn_score_sum"] = torch.tensor([float(sum(ep.turn_scores)) for ep in episodes])
+            tensors["agent/turn_score_count"] = torch.tensor([float(len(ep.turn_scores)) for ep in episodes])
+            # What a reward reads, as verl's reward managers give it: the scores in the row's extra_info.
+            non["extra_info"] = [{**(e if isinstance(e, dict) else {}), "turn_scores": list(ep.turn_scores)}
+                                 for e, ep in zip(non.get("extra_info", [{}] * len(episodes)), episodes)]
         return Batch(tensors, non)
 
 
@@ -429,6 +500,11 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
     for reason in END_REASONS:
         if f"agent/end/{reason}" in batch.tensors:
             out[f"agent/end/{reason}"] = float(batch[f"agent/end/{reason}"].mean())
+    if "agent/interaction_turns" in batch.tensors:
+        out["agent/interaction_turns/mean"] = float(batch["agent/interaction_turns"].mean())
+        count = float(batch["agent/turn_score_count"].sum())
+        if count:
+            out["agent/turn_score/mean"] = float(batch["agent/turn_score_sum"].sum()) / count
     length = batch["response_mask"].sum(-1).float()
     out["agent/episode_length/mean"], out["agent/episode_length/max"] = float(length.mean()), float(length.max())
     total = float(length.sum())
@@ -461,6 +537,21 @@ def render_after_turn(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
     cut = before.rfind(eos) if eos else -1
     tail = before[cut + len(eos):] if cut >= 0 else ""
     return list(tokenizer(tail + after[len(before):], add_special_tokens=False)["input_ids"])
+
+
+def _checked_reply(reply: Any, name: str) -> InteractionReply:
+    """An interaction's reply, checked: a content string, a finite score or None, a done flag."""
+    import math
+
+    if not isinstance(reply, InteractionReply):
+        raise TypeError(f"interaction {name!r} returned {type(reply).__name__}, not an rlx.protocols.InteractionReply")
+    if not isinstance(reply.content, str):
+        raise TypeError(f"interaction {name!r} replied with content of type {type(reply.content).__name__}, not str")
+    score = reply.score
+    if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)
+                              or not math.isfinite(score)):
+        raise TypeError(f"interaction {name!r} gave the score {score!r}; a finite number or None is expected")
+    return replace(reply, score=None if score is None else float(score), done=bool(reply.done))
 
 
 def _stop_ids(tokenizer: Any) -> list[int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 ComponentKind = Literal["backend", "rollout", "algorithm", "reward", "logger", "launcher", "advantage", "resource",
-                        "agent_loop", "tool"]
+                        "agent_loop", "tool", "interaction"]
 KINDS: tuple[str, ...] = get_args(ComponentKind)
 
 

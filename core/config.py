@@ -360,8 +360,13 @@ class AgentConfig(ComponentSection):
                                   "call past it gets an error turn and counts in agent/tool_timeouts.")
     max_concurrent_tools: int = Field(32, ge=1, le=MAX_WORKERS,
                                       description="Tool calls running at once, over all episodes.")
+    interactions: list[str] = Field(default_factory=list, description="Interaction plugins (a simulated user "
+                                    "that answers each model turn without a tool call; interactions.NAME.* are "
+                                    "their options); a data row's extra_info.interaction_kwargs.name picks one, "
+                                    "the only one on where a row names none (verl: "
+                                    "multi_turn.interaction_config_path).")
 
-    @field_validator("tools", mode="before")
+    @field_validator("tools", "interactions", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
@@ -456,6 +461,8 @@ class RLXConfig(_Section):
     tools: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-tool options, e.g. tools.python.memory_mb=512 (agent.tools "
         "picks the tools).")
+    interactions: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-interaction options (agent.interactions turns them on).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLXConfig:
@@ -621,7 +628,7 @@ def override_takes_text(schema: type[BaseModel], raw: dict[str, Any], key: str, 
         name = given.get("name", default.name) if isinstance(given, dict) else default.name
         kind = "agent_loop" if section == "agent" else section
         return _field_takes_text(_plugin_options_model(pm, kind, name), parts)
-    if model is None and section in ("loggers", "tools") and len(parts) > 1:
+    if model is None and section in ("loggers", "tools", "interactions") and len(parts) > 1:
         return _field_takes_text(_plugin_options_model(pm, section[:-1], parts[0]), parts[1:])
     return _field_takes_text(model, parts)
 

@@ -120,6 +120,14 @@ def rlx_tools() -> Iterable[Component]:
 
 
 @hookspec
+def rlx_interactions() -> Iterable[Component]:
+    """Return interactions (``kind="interaction"``): a simulated user that reads each answer of an episode's model
+    and replies with a user turn, a turn score, or the end of the episode (verl's interactions). The factory
+    returns an :class:`rlx.protocols.Interaction`; ``agent.interactions=[NAME, ...]`` turns them on, a data row's
+    ``extra_info.interaction_kwargs.name`` picks one, ``interactions.NAME.*`` are their options."""
+
+
+@hookspec
 def rlx_cli_commands(app: typer.Typer) -> None:
     """Add commands to the ``rlx`` command-line app.
 
@@ -165,4 +173,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "rlx_resources": "resource",
     "rlx_agent_loops": "agent_loop",
     "rlx_tools": "tool",
+    "rlx_interactions": "interaction",
 }

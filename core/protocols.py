@@ -402,6 +402,32 @@ class AgentLoop(Protocol):
     async def run(self, episode: Any) -> None: ...
 
 
+@dataclass(frozen=True)
+class InteractionReply:
+    """An interaction's answer to the model's turn: ``content`` is the user turn the model reads next (not trained),
+    ``score`` the turn's score (None: no score; recorded, see :class:`Interaction`), ``done`` ends the episode (its
+    ``content`` is then not appended: nothing would read it)."""
+
+    content: str
+    score: float | None = None
+    done: bool = False
+
+
+@runtime_checkable
+class Interaction(Protocol):
+    """A simulated user (``agent.interactions=[NAME]``, options under ``interactions.NAME``): after each model turn
+    that calls no tool, ``respond(messages, kwargs)`` reads the episode's turns after the prompt (chat messages; the
+    last is the model's answer) and the row's ``extra_info.interaction_kwargs`` (``ground_truth`` filled in from the
+    row where it has none) and returns an :class:`InteractionReply`. It runs in a worker thread (an ``async def``
+    respond is awaited on the runner's loop instead). An interaction that keeps state across an episode's turns also
+    has ``for_episode(kwargs) -> Interaction``, called once per episode before its first reply.
+
+    The scores of an episode's replies reach the reward as ``extra_info["turn_scores"]`` (verl's name), in order;
+    the reward plugin decides what they count for (the built-in rewards ignore them, as verl's do)."""
+
+    def respond(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> InteractionReply: ...
+
+
 # ---------------------------------------------------------------------------------------------
 # Loggers
 @dataclass

@@ -186,9 +186,11 @@ class Trainer:
         loop = pm.get("agent_loop", cfg.agent.name)
         self.agent: EpisodeRunner | None = None
         if not loop.extra.get("single_turn"):
+            interactions = {name: self._build("interaction", name, f"interactions.{name}")
+                            for name in cfg.agent.interactions}
             self.agent = EpisodeRunner(self._build("agent_loop", cfg.agent.name, "agent"), self.tools, self.tokenizer,
                                        AgentLimits.from_config(cfg.agent), self._engine_generate,
-                                       describe_component(loop))
+                                       describe_component(loop), interactions)
         if self.needs.old_from_rollout and cfg.actor.recompute_old_log_prob is True:
             raise ConfigError(["actor.recompute_old_log_prob=true asks for the old-log-prob pass, but "
                                "algorithm.rollout_correction.bypass_mode takes the old log-probs from the rollout "

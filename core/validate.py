@@ -36,7 +36,7 @@ class Resolved:
             if opts is None:
                 continue
             dumped = opts.model_dump(mode="json")
-            if key.startswith(("loggers.", "tools.")):
+            if key.startswith(("loggers.", "tools.", "interactions.")):
                 section, _, name = key.partition(".")
                 out[section][name] = dumped
             else:
@@ -146,6 +146,8 @@ class _View:
     logger_options: dict[str, Any]
     tools: list[str]
     tool_options: dict[str, Any]
+    interactions: list[str]
+    interaction_options: dict[str, Any]
     model_path: str | None
     train_files: list[str] | None
     val_files: list[str] | None
@@ -157,7 +159,8 @@ def _view_of(cfg: RLXConfig) -> _View:
         sec: ComponentSection = getattr(cfg, section)
         sections[section] = (sec.name, sec.options())
     return _View(sections, list(cfg.trainer.loggers), dict(cfg.loggers), list(cfg.agent.tools), dict(cfg.tools),
-                 cfg.model.path, cfg.data.train_files, cfg.data.val_files)
+                 list(cfg.agent.interactions), dict(cfg.interactions), cfg.model.path, cfg.data.train_files,
+                 cfg.data.val_files)
 
 
 def _view_of_raw(raw: dict[str, Any]) -> _View:
@@ -189,6 +192,10 @@ def _view_of_raw(raw: dict[str, Any]) -> _View:
     if isinstance(tools, str):
         tools = [s.strip() for s in tools.split(",") if s.strip()]
     tool_opts = raw.get("tools", {})
+    interactions = sub("agent").get("interactions", [])
+    if isinstance(interactions, str):
+        interactions = [s.strip() for s in interactions.split(",") if s.strip()]
+    interaction_opts = raw.get("interactions", {})
     model_path = sub("model").get("path", defaults.model.path)
     data = sub("data")
     return _View(
@@ -197,6 +204,9 @@ def _view_of_raw(raw: dict[str, Any]) -> _View:
         {k: v for k, v in logger_opts.items() if isinstance(v, dict)} if isinstance(logger_opts, dict) else {},
         str_list(tools) or [],
         {k: v for k, v in tool_opts.items() if isinstance(v, dict)} if isinstance(tool_opts, dict) else {},
+        str_list(interactions) or [],
+        ({k: v for k, v in interaction_opts.items() if isinstance(v, dict)}
+         if isinstance(interaction_opts, dict) else {}),
         model_path if isinstance(model_path, str) else None,
         str_list(data.get("train_files", defaults.data.train_files)),
         str_list(data.get("val_files", defaults.data.val_files)),
@@ -229,14 +239,16 @@ def resolve(raw: dict[str, Any], pm: PluginManager, *, check_files: bool = True,
     # Components picked by a list (trainer.loggers, agent.tools) whose options live under loggers.NAME / tools.NAME.
     for kind, section, names, given, listed_in in (
             ("logger", "loggers", view.loggers, view.logger_options, "trainer.loggers"),
-            ("tool", "tools", view.tools, view.tool_options, "agent.tools")):
+            ("tool", "tools", view.tools, view.tool_options, "agent.tools"),
+            ("interaction", "interactions", view.interactions, view.interaction_options, "agent.interactions")):
         for name in names:
             options[f"{section}.{name}"] = _component_options(
                 pm, kind, name, dict(given.get(name, {})), f"{section}.{name}", [], problems,
                 name_path=listed_in, check_requirements=check_files)
         for name in given:
             if name not in names:
-                problems.append(f"{section}.{name}: options for a {kind} that is not on; add it to {listed_in} "
+                article = "an" if kind[0] in "aeiou" else "a"
+                problems.append(f"{section}.{name}: options for {article} {kind} that is not on; add it to {listed_in} "
                                 f"(now {names})")
     if view.model_path == "":
         problems.append("model.path: no model given. Pass --model PATH_OR_HUB_ID (or model.path=...), "
@@ -280,6 +292,9 @@ def training_problems(cfg: RLXConfig, pm: Any = None) -> list[str]:
 def agent_problems(cfg: RLXConfig, loop: Component | None) -> list[str]:
     """Multi-turn rollouts (an agent loop other than single_turn) with the features they do not combine with."""
     if loop is None or loop.extra.get("single_turn"):
+        if cfg.agent.interactions and loop is not None:
+            return [f"agent.interactions: agent loop {cfg.agent.name!r} answers once and never asks an interaction; "
+                    "set agent.name=tool_call (with agent.tools=[] when the model calls no tools)"]
         return []
     problems = []
     if cfg.rollout.partial:
@@ -287,9 +302,10 @@ def agent_problems(cfg: RLXConfig, loop: Component | None) -> list[str]:
                         "steps (its tool calls would run twice). Set rollout.partial=false (with "
                         "trainer.max_staleness >= 1 the next step's episodes still overlap training), or "
                         "agent.name=single_turn.")
-    if cfg.agent.name == "tool_call" and not cfg.agent.tools:
-        problems.append("agent.tools: agent loop 'tool_call' has no tools to call. Name them, e.g. "
-                        "agent.tools=[calculator] or agent.tools=[python] (`rlx plugins list` shows the tools).")
+    if cfg.agent.name == "tool_call" and not cfg.agent.tools and not cfg.agent.interactions:
+        problems.append("agent.tools: agent loop 'tool_call' has no tools to call and no interaction to answer "
+                        "it. Name tools, e.g. agent.tools=[calculator] or agent.tools=[python], or an interaction, "
+                        "e.g. agent.interactions=[gsm8k] (`rlx plugins list` shows them).")
     return problems
 
 

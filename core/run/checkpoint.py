@@ -279,7 +279,7 @@ RESUME_KEYS: dict[str, tuple[str, ...] | None] = {
     "backend": ("name",),
     "algorithm": None,
     "reward": None,
-    "agent": ("name", "tools", "format", "max_turns"),  # episodes of another shape train something else
+    "agent": ("name", "tools", "format", "max_turns", "interactions"),  # episodes of another shape train something else
     "trainer": ("seed",),
 }
 

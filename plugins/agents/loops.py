@@ -130,7 +130,11 @@ class SingleTurn:
 class ToolCallLoop:
     """Turn after turn: the model writes; the calls it made run and their results come back as tool turns; the
     episode ends with a turn without calls (the answer), at ``agent.max_turns`` turns (a turn that still calls a
-    tool then ends it unanswered), or when the token budget is spent."""
+    tool then ends it unanswered), or when the token budget is spent.
+
+    With an interaction on (``agent.interactions``), an answer goes to it instead of ending the episode: its reply
+    is the next user turn, until it ends the episode (``answer``) or the turn limit does (``max_turns``: as in verl,
+    the last turn the limit allows is not shown to the interaction)."""
 
     def __init__(self, fmt: str) -> None:
         self.format = fmt
@@ -143,7 +147,15 @@ class ToolCallLoop:
                 return
             calls = self.parse(turn.text)
             if not calls:
-                return  # an answer
+                if not getattr(episode, "has_interaction", False):
+                    return  # an answer
+                if episode.turns >= episode.limits.max_turns:
+                    episode.end = "max_turns"
+                    return
+                reply = await episode.interact()
+                if reply.done or episode.done:
+                    return
+                continue
             if episode.turns >= episode.limits.max_turns:
                 episode.end = "max_turns"
                 return
@@ -178,5 +190,13 @@ def rlx_agent_loops() -> list[Component]:
                   summary="One response per prompt (the default): the engine is called directly.",
                   extra={"single_turn": True}),
         Component(kind="agent_loop", name="tool_call", factory=build_tool_call, config_model=ToolCallOptions,
-                  summary="Multi-turn with tool calls (hermes/Qwen or Llama 3 format); tool output is not trained."),
+                  summary="Multi-turn with tool calls (hermes/Qwen or Llama 3 format) and interactions; tool output "
+                          "and user turns are not trained."),
     ]
+
+
+@hookimpl
+def rlx_interactions() -> list[Component]:
+    from rlx.plugins.agents.interactions import components
+
+    return components()
