@@ -848,7 +848,24 @@ SPECIAL: dict[str, Special] = {
     "data.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "data.trust_remote_code"),
     "critic.model.trust_remote_code": lambda v, t, verl, pm: _remote_code(v, t, "critic.model.trust_remote_code"),
     "algorithm.rollout_correction.bypass_mode": lambda v, t, verl, pm: _bypass_mode(v, t, verl),
+    "algorithm.use_pf_ppo": lambda v, t, verl, pm: _pf_ppo("algorithm.use_pf_ppo", v, t, verl),
+    "algorithm.pf_ppo.reweight_method": lambda v, t, verl, pm: _pf_ppo("algorithm.pf_ppo.reweight_method", v, t,
+                                                                       verl),
+    "algorithm.pf_ppo.weight_pow": lambda v, t, verl, pm: _pf_ppo("algorithm.pf_ppo.weight_pow", v, t, verl),
 }
+
+
+def _pf_ppo(key: str, value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    """PF-PPO keys map one to one, but verl resamples only in its gae branch: with another estimator its
+    ``use_pf_ppo`` does nothing, and so is left out."""
+    if not _is_true(verl.get("algorithm.use_pf_ppo")):
+        raise _Ignored("algorithm.use_pf_ppo is not true")
+    estimator = verl.get("algorithm.adv_estimator", "gae")
+    if estimator != "gae":
+        raise _Ignored(f"verl applies PF-PPO with adv_estimator=gae only, not {estimator}")
+    if value is None:
+        raise _Ignored(f"null: rlx's default for {key} applies")
+    t.set(key, value, key)
 
 
 OVERRIDE_CONFIG = MODEL + "override_config"
@@ -913,11 +930,113 @@ _MEGATRON_PLACEMENT = (
     "override_transformer_config.account_for_embedding_in_pipeline_split")
 
 
+# megatron-core MoE settings (override_transformer_config.moe_*) that change how the experts are laid out,
+# fused or communicated, not which experts a token goes to or what they compute.
+MOE_PLACEMENT = ("moe_permute_fusion", "moe_enable_deepep", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                 "moe_shared_expert_overlap", "moe_deepep_num_sms", "moe_layer_recompute",
+                 "moe_use_legacy_grouped_gemm", "moe_router_fusion")
+_EXPERT_SIZES = ("expert_model_parallel_size", "expert_tensor_parallel_size")
+# Model folders whose Hugging Face router computes its logits in float32 (DeepseekV3TopkRouter casts the hidden
+# states and its weight to float32): DeepSeek-V3/R1 and the models built on its architecture (Moonlight, Kimi-K2).
+_FP32_ROUTER_MODEL = re.compile(r"(?i)deepseek[-_]?(?:v3|r1)|moonlight|kimi[-_]?k2")
+_FP32_ROUTER_TYPES = ("deepseek_v3", "kimi_k2")
+_ON_FSDP2 = ("rlx's megatron backend trains dense models without LoRA, so this run trains on rlx's fsdp2 backend: "
+             "the same Hugging Face model (its experts and router, or its LoRA adapters) and the same loss; "
+             "verl's tensor, pipeline, context and expert parallel sizes only place the computation, and FSDP "
+             "shards every weight, the experts included, over the ranks instead")
+
+
+def _megatron_needs(verl: dict[str, Any]) -> list[str]:
+    """What a megatron-strategy run needs that rlx's megatron backend lacks: mixture-of-experts settings (expert
+    parallelism, megatron-core's moe_* settings) or LoRA (``model.lora.rank`` above 0)."""
+    needs: list[str] = []
+    for key, value in verl.items():
+        rest = key.removeprefix(MEGATRON)
+        if rest != key and ((rest in _EXPERT_SIZES and value not in (1, None))
+                            or rest.startswith("override_transformer_config.moe_")):
+            needs.append(key)
+    rank = verl.get(MODEL + "lora.rank")
+    if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
+        needs.append(MODEL + "lora.rank")
+    return needs
+
+
+def _fp32_router(verl: dict[str, Any]) -> bool:
+    """Whether the policy's Hugging Face router computes in float32 anyway (its folder's config.json when the
+    folder is on this machine, else the model's name)."""
+    path = str(verl.get(MODEL + "path", ""))
+    config = Path(os.path.expanduser(path)) / "config.json"
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        return model_type in _FP32_ROUTER_TYPES
+    return bool(_FP32_ROUTER_MODEL.search(path.rstrip("/").rpartition("/")[2]))
+
+
+def _moe_setting(name: str, value: Any, verl: dict[str, Any]) -> None:
+    """megatron-core's ``override_transformer_config.moe_*`` settings, on rlx's fsdp2 backend (the Hugging Face
+    model's own MoE layers): placement is ignored; a setting of the math is accepted only where it equals what the
+    Hugging Face model computes, and named otherwise."""
+    otc = MEGATRON + "override_transformer_config."
+    if name in MOE_PLACEMENT:
+        raise _Ignored("how megatron-core lays out, fuses or sends the experts' work (the Hugging Face model computes "
+                       "the same experts for each token in its own kernels): " + _PLACEMENT)
+    if name == "moe_router_dtype":
+        if value is None:
+            raise _Ignored("null: the router in the model's dtype")
+        if str(value).removeprefix("torch.") in ("fp32", "float32") and _fp32_router(verl):
+            raise _Ignored(f"{value}: this model's Hugging Face router (DeepSeek-V3's) computes its logits in "
+                           "float32 too")
+        raise _Unmapped(f"a router computed in {value}: megatron-core casts the router's input and weight to it; the "
+                        "Hugging Face model's router (Qwen-MoE's, Mixtral's) computes in model.dtype (bf16 on a GPU), "
+                        "which can choose other experts where two scores nearly tie, and rlx has no switch for the "
+                        "router's dtype")
+    if name == "moe_router_load_balancing_type":
+        if value in ("none", None):
+            raise _Ignored("none: no load-balancing loss, as verl's model bridges set it and as rlx computes")
+        raise _Unmapped(f"megatron-core's {value} load-balancing loss on the router; rlx's loss has no router term")
+    if name == "moe_aux_loss_coeff":
+        balancing = verl.get(otc + "moe_router_load_balancing_type", "none")
+        if not value or balancing in ("none", None):
+            raise _Ignored("verl's model bridges (mbridge since 0.1.0 for Qwen2/Qwen3-MoE, DeepSeek-V3 and "
+                           "Qwen3-VL-MoE; Megatron-Bridge, where verl sets it) use "
+                           "moe_router_load_balancing_type=none, so megatron-core computes no load-balancing loss "
+                           "and never reads the coefficient; rlx computes none either")
+        raise _Unmapped("a load-balancing loss on the router (reported with moe_router_load_balancing_type)")
+    if name == "moe_z_loss_coeff":
+        if not value:
+            raise _Ignored("no router z-loss, megatron-core's default")
+        raise _Unmapped(f"megatron-core's router z-loss ({value} x the mean squared logsumexp of the router's "
+                        "logits); rlx's loss has no router term")
+    if name == "moe_expert_capacity_factor":
+        if value is None:
+            raise _Ignored("null: no token dropping, megatron-core's default and what the Hugging Face model does")
+        raise _Unmapped(f"expert capacity {value} (megatron-core drops the tokens beyond it); the Hugging Face model "
+                        "sends every token to its experts")
+    if name in ("moe_token_drop_policy", "moe_pad_expert_input_to_capacity"):
+        if verl.get(otc + "moe_expert_capacity_factor") is None:
+            raise _Ignored("read only with moe_expert_capacity_factor, which is not set: no token dropping")
+        raise _Unmapped("token dropping (with moe_expert_capacity_factor)")
+    raise _Unmapped("a megatron-core MoE setting of the model's shape or routing; rlx's fsdp2 backend builds the "
+                    "Hugging Face model from its folder's config")
+
+
 def _backend(verl: dict[str, Any], t: Translation) -> None:
     """verl's strategy -> rlx's backend: megatron is megatron; fsdp and fsdp2 train the same model as rlx's
-    default torch backend, and need rlx's fsdp2 for Ulysses sequence parallelism."""
+    default torch backend, and need rlx's fsdp2 for Ulysses sequence parallelism. A megatron run that needs what
+    rlx's megatron backend lacks (mixture-of-experts settings, LoRA) trains the same model on rlx's fsdp2."""
     strategy = verl.get(AA + "strategy", "fsdp")
-    if strategy == "megatron":
+    needs = _megatron_needs(verl) if strategy == "megatron" else []
+    if strategy == "megatron" and needs:
+        # NOTE: the megatron backend trains dense models only and has no LoRA; fsdp2 loads any Hugging Face
+        # causal LM (mixture-of-experts ones too) and has LoRA. Parallel sizes are placement: the loss, the
+        # experts each token is routed to and the gradients are the Hugging Face model's either way.
+        t.set("backend.name", "fsdp2", AA + "strategy")
+        shown = ", ".join(k.removeprefix(AA).removeprefix(MODEL) for k in needs[:3])
+        t.notes.append(f"{AA}strategy=megatron with {shown}{' ...' if len(needs) > 3 else ''}: {_ON_FSDP2}")
+    elif strategy == "megatron":
         t.set("backend.name", "megatron", AA + "strategy")
     elif strategy not in ("fsdp", "fsdp2"):
         t.unmapped.append((AA + "strategy", f"rlx's backends are torch, fsdp, fsdp2 and megatron, not {strategy}"))
@@ -931,6 +1050,8 @@ def _backend(verl: dict[str, Any], t: Translation) -> None:
             continue
         if strategy != "megatron":
             t.ignored.append((key, f"the actor's strategy is {strategy}: verl reads megatron.* only with megatron"))
+        elif needs:
+            _megatron_on_fsdp2(key, rest, value, verl, t)
         elif rest == "context_parallel_size" and isinstance(value, int) and not isinstance(value, bool) \
                 and value > 1:
             t.ignored.append((key, f"{value}: rlx's megatron backend keeps each sequence on one rank (context "
@@ -940,11 +1061,117 @@ def _backend(verl: dict[str, Any], t: Translation) -> None:
                 t.set(f"backend.{MEGATRON_OPTIONS[rest]}", value, key)
         elif rest in _MEGATRON_PLACEMENT:
             t.ignored.append((key, _PLACEMENT))
-        elif rest in ("expert_model_parallel_size", "expert_tensor_parallel_size") and value in (1, None):
+        elif rest in _EXPERT_SIZES and value in (1, None):
             t.ignored.append((key, "1: no expert parallelism"))
         else:
-            t.unmapped.append((key, "rlx's megatron backend trains dense models (no mixture-of-experts settings)"
-                               if "expert" in rest or "moe" in rest else "no rlx counterpart"))
+            t.unmapped.append((key, "no rlx counterpart"))
+
+
+def _megatron_on_fsdp2(key: str, rest: str, value: Any, verl: dict[str, Any], t: Translation) -> None:
+    """An actor ``megatron.*`` key of a run that trains on rlx's fsdp2 backend (:func:`_backend`)."""
+    try:
+        if rest in _EXPERT_SIZES:
+            raise _Ignored("expert parallelism: megatron splits the experts between ranks, FSDP shards every "
+                           "expert's weights over all ranks instead; each token goes to the same experts: "
+                           + _PLACEMENT)
+        if rest in MEGATRON_OPTIONS or rest in _MEGATRON_PLACEMENT:
+            if rest == "override_transformer_config.recompute_granularity" and value in ("full", "selective") \
+                    and verl.get(MODEL + "enable_gradient_checkpointing") is None:
+                t.set("model.gradient_checkpointing", True, key)
+                raise _Ignored(f"{value} recomputation: model.gradient_checkpointing=true recomputes the activations "
+                               "in rlx (memory, not results)")
+            raise _Ignored("megatron's parallel layout, recomputation or offloading; rlx's fsdp2 backend shards the "
+                           "same model over the ranks: " + _PLACEMENT)
+        name = rest.removeprefix("override_transformer_config.")
+        if name.startswith("moe_"):
+            _moe_setting(name, value, verl)
+        raise _Unmapped("a megatron setting with no counterpart in rlx's fsdp2 backend")
+    except _Ignored as exc:
+        t.ignored.append((key, str(exc)))
+    except _Unmapped as exc:
+        t.unmapped.append((key, str(exc)))
+
+
+# verl's megatron LoRA (Megatron-Bridge's PEFT, actor_rollout_ref.model.lora.*): canonical LoRA's module names ->
+# the Hugging Face names of the same linear layers, where peft puts rlx's adapters.
+CANONICAL_LORA = {"linear_q": "q_proj", "linear_k": "k_proj", "linear_v": "v_proj", "linear_proj": "o_proj",
+                  "linear_fc1_gate": "gate_proj", "linear_fc1_up": "up_proj", "linear_fc2": "down_proj"}
+FUSED_LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]  # verl's default target_modules
+MLORA = MODEL + "lora."
+
+
+def _megatron_lora(name: str, value: Any, t: Translation, verl: dict[str, Any]) -> None:
+    """One ``model.lora.*`` key (verl's LoRA for the megatron strategy, which :func:`_backend` moves onto rlx's
+    fsdp2 backend, whose LoRA is peft's)."""
+    rank = verl.get(MLORA + "rank", 0)
+    if name == "rank":
+        if not rank:
+            raise _Ignored("0: no LoRA, the whole model trains")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise _Unmapped(f"{rank!r} is not a whole number")
+        kind = verl.get(MLORA + "type", "lora")
+        if kind == "lora":
+            raise _Unmapped("verl's lora type (Megatron-Bridge's fused LoRA, verl's default) gives the fused q/k/v "
+                            "projection (linear_qkv) one adapter whose A is shared by q, k and v, and the fused "
+                            "gate/up projection (linear_fc1) one adapter; rlx's LoRA (peft) gives each of q_proj, "
+                            "k_proj, v_proj, gate_proj and up_proj its own: another set of trainable updates. "
+                            "model.lora.type=canonical_lora is what rlx computes")
+        if kind != "canonical_lora":
+            raise _Unmapped(f"verl's {kind} adapters; rlx's LoRA is plain LoRA (canonical_lora's)")
+        targets = verl.get(MLORA + "target_modules", list(CANONICAL_LORA))
+        names = [targets] if isinstance(targets, str) else list(targets or [])
+        unknown = [n for n in names if n not in CANONICAL_LORA]
+        if unknown:
+            raise _Unmapped(f"canonical LoRA on {', '.join(map(str, unknown))}: rlx maps linear_q/k/v, linear_proj, "
+                            "linear_fc1_gate/up and linear_fc2 onto the Hugging Face layers")
+        if any(k != MLORA + "rank" for k in _megatron_needs(verl)):
+            raise _Unmapped("LoRA on a mixture-of-experts model: Megatron-Bridge puts adapters on every expert's "
+                            "linear_fc1/linear_fc2; peft adapts the model's nn.Linear layers, and a Hugging Face "
+                            "MoE's experts are 3-D parameters it does not adapt")
+        t.set("model.lora_rank", rank, MLORA + "rank")
+        t.set("model.target_modules", [CANONICAL_LORA[n] for n in names], MLORA + "target_modules")
+        for key, default, why in (
+                ("lora_A_init_method", "xavier", "peft initialises A as Megatron-Bridge's kaiming does "
+                 "(kaiming_uniform with a = sqrt(5)); verl's default, xavier, draws A from xavier_normal, which rlx "
+                 "does not offer"),
+                ("lora_B_init_method", "zero", "peft starts B at zero, as Megatron-Bridge's zero does")):
+            given = verl.get(MLORA + key, default)
+            if given != ("kaiming" if key == "lora_A_init_method" else "zero"):
+                t.unmapped.append((MLORA + key, f"{given}{' (verl default)' if MLORA + key not in verl else ''}: "
+                                   f"{why}"))
+        return
+    if not rank:
+        raise _Ignored("model.lora.rank is 0: no LoRA")
+    if name in ("type", "target_modules"):
+        return  # read with the rank
+    if name == "alpha":
+        t.set("model.lora_alpha", value, MLORA + "alpha")  # both scale the update by alpha / rank
+    elif name == "dropout":
+        if value:
+            t.set("model.lora_dropout", value, MLORA + "dropout")
+        else:
+            raise _Ignored("0: no dropout")
+    elif name == "dropout_position":
+        if value != "pre" and verl.get(MLORA + "dropout"):
+            raise _Unmapped(f"dropout {value} the adapter; peft's dropout is on the adapter's input (pre)")
+        raise _Ignored(f"{value}: peft's dropout is on the adapter's input (pre)")
+    elif name in ("lora_A_init_method", "lora_B_init_method"):
+        wanted = "kaiming" if name == "lora_A_init_method" else "zero"
+        if value == wanted:
+            raise _Ignored("peft's own initialisation of this matrix (kaiming_uniform with a = sqrt(5) for A, "
+                           "zero for B), as Megatron-Bridge's")
+        # an unequal one is named with the rank
+    elif name in ("merge", "a2a_experimental"):
+        raise _Ignored("how the adapters reach the engine (merged or not) or travel between ranks: " + _PLACEMENT)
+    elif name in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model"):
+        raise _Ignored("read by verl's vlm_lora only")
+    elif name in ("dtype", "adapter_path") or name == "exclude_modules":
+        if value in (None, [], ""):
+            raise _Ignored("null: the default")
+        raise _Unmapped("the adapters' own dtype, a saved adapter or excluded megatron modules; rlx's LoRA starts "
+                        "new adapters in the trained dtype on the modules model.target_modules names")
+    else:
+        raise _Unmapped("no rlx counterpart")
 
 
 def _reward_manager(value: Any) -> None:
@@ -1109,6 +1336,7 @@ TRUNCATE_SIDES: dict[str, str] = {"left": "left", "right": "right", "middle": "m
 SANDBOX_FUSION = "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
 # verl's tool classes rlx has no tool for -> the missing feature, in one sentence.
 GSM8K_TOOL = "verl.tools.gsm8k_tool.Gsm8kTool"
+GSM8K_INTERACTION = "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
 REFUSED_TOOLS: dict[str, str] = {
     "verl.tools.geo3k_tool.Geo3kTool": "verl's geo3k tool scores each answer the model submits against the row's "
     "ground truth and tells the model its score; geo3k's prompts hold images, and rlx's agent loops are text only",
@@ -1197,20 +1425,20 @@ def _agent_key(key: str, value: Any, verl: dict[str, Any], t: Translation, on: b
         if value is None:
             raise _Ignored("null: verl's own inference server")
         raise _Unmapped("a custom inference server class of verl's; rlx's engines are its rollout plugins")
-    if key == MT + "interaction_config_path":
-        if value is None:
-            raise _Ignored("null: no simulated user")
-        raise _Unmapped("verl's interactions (a simulated user that answers each assistant turn, and may score it) "
-                        "have no rlx counterpart: rlx's agent loops alternate the model and its tools only")
+    if key == MT + "interaction_config_path" and value is None:
+        raise _Ignored("null: no simulated user")
     if not key.startswith(MT) or key.removeprefix(MT) not in (
             "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
-            "tool_response_truncate_side", "format", "tool_config_path"):
+            "tool_response_truncate_side", "format", "tool_config_path", "interaction_config_path"):
         raise _Unmapped("no rlx counterpart")
     if not on:
         if key == MT + "tool_config_path" and value is not None:
             raise _Unmapped("tools without the multi-turn loop: verl then runs its tool loop only for data rows "
                             "whose agent_name column says tool_agent, which rlx cannot see; add "
                             f"{MT}enable=True (verl's multi-turn examples set it in their --config-name file)")
+        if key == MT + "interaction_config_path":
+            raise _Unmapped("an interaction without the multi-turn loop: verl asks it only in its tool loop, which "
+                            f"runs for data rows whose agent_name column says tool_agent; add {MT}enable=True")
         raise _Ignored("the multi-turn loop is off (multi_turn.enable is not true): verl does not read it")
     name = key.removeprefix(MT)
     if name in ("max_assistant_turns", "max_user_turns"):
@@ -1237,6 +1465,8 @@ def _agent_key(key: str, value: Any, verl: dict[str, Any], t: Translation, on: b
         t.set("agent.format", TOOL_FORMATS[value], key)
     elif name == "tool_config_path":
         _tool_config(value, t, key, pm)
+    elif name == "interaction_config_path":
+        _interaction_config(value, t, key)
 
 
 def _turns(verl: dict[str, Any], t: Translation) -> None:
@@ -1259,8 +1489,8 @@ def _turns(verl: dict[str, Any], t: Translation) -> None:
     turns, source = min(limits)
     t.set("agent.max_turns", turns, source)
     if source == MT + "max_user_turns":
-        t.notes.append(f"{source}={turns - 1}: after {turns - 1} tool turns verl lets the model answer once more, "
-                       f"so agent.max_turns={turns}")
+        t.notes.append(f"{source}={turns - 1}: after {turns - 1} user turns (tool results or an interaction's "
+                       f"replies) verl lets the model answer once more, so agent.max_turns={turns}")
 
 
 def _positive(value: Any) -> bool:
@@ -1280,6 +1510,71 @@ def _agent_default(name: str) -> Any:
     from rlx.config import AgentConfig
 
     return AgentConfig.model_fields[name].default
+
+
+def _verl_interaction_name(entry: dict[str, Any]) -> Any:
+    """The name verl gives an interaction: its ``name``, else its class's name less ``Interaction``, lower-cased."""
+    if entry.get("name") is not None:
+        return entry["name"]
+    simple = str(entry["class_name"]).rsplit(".", 1)[-1]
+    return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
+
+
+def _interaction_config(value: Any, t: Translation, key: str) -> None:
+    """verl's interaction YAML (``interaction: [{name, class_name, config}]``), read as data (never imported or
+    run): its gsm8k interaction is rlx's ``gsm8k``; another class is named as unmapped. A file that is missing,
+    unreadable or not such a YAML is a user error (exit 2)."""
+    import yaml
+
+    text = os.path.expanduser(str(value))
+    path = Path(text)
+    hint = ("Give the path of verl's interaction config YAML (interaction: [{name: ..., class_name: ..., "
+            "config: {...}}]), or run rlx where the file is (verl's multi-turn examples expect verl's checkout as "
+            "the working folder).")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--from-verl: {key}={text}: no such file; rlx reads verl's interaction config to choose "
+                        "its interactions.", hint) from None
+    except UnicodeDecodeError:
+        raise UserError(f"--from-verl: {key}={text}: not a text file (it is not UTF-8); verl's interaction config "
+                        "is YAML.", hint) from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--from-verl: {key}={text}: cannot read it as YAML: {exc}", hint) from None
+    entries = data.get("interaction") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(x, dict) and isinstance(x.get("class_name"), str)
+                                                for x in entries):
+        raise UserError(f"--from-verl: {key}={text}: not a verl interaction config: it needs a top-level "
+                        "'interaction' list whose entries name a class_name.", hint)
+    names: list[str] = []
+    for entry in entries:
+        cls, verl_name = entry["class_name"], _verl_interaction_name(entry)
+        if cls != GSM8K_INTERACTION:
+            t.unmapped.append((key, f"interaction {cls}: a Python class of verl's, which rlx never imports from a "
+                               "verl config; rlx's built-in interaction is gsm8k (verl's Gsm8kInteraction), another "
+                               f"is an rlx interaction plugin ({_DOCS_AGENTS})"))
+            continue
+        if verl_name != "gsm8k":
+            t.unmapped.append((key, f"interaction {cls} named {verl_name!r}: the data's "
+                               "extra_info.interaction_kwargs.name picks an interaction by name, and rlx's is "
+                               "named gsm8k; name it gsm8k in the config and the data"))
+            continue
+        if "gsm8k" not in names:
+            names.append("gsm8k")
+        if entry.get("config"):
+            t.notes.append(f"{key}: the gsm8k interaction's config {entry['config']!r} is not carried over (verl's "
+                           "Gsm8kInteraction reads none of it)")
+        t.notes.append(f"{key}: verl's gsm8k interaction is rlx's gsm8k interaction (agent.interactions=[gsm8k]): "
+                       "after each answer without a tool call it checks the number after the last #### against the "
+                       "row's ground truth; right ends the episode (turn score 1), wrong gets a user turn asking the "
+                       "model to try again (0), read and not trained. Rows pick it by "
+                       "extra_info.interaction_kwargs.name (verl's gsm8k_multiturn_w_interaction data; rows without "
+                       "it use the only interaction on). The turn scores reach the reward as "
+                       "extra_info['turn_scores'], as in verl; the reward itself is the reward plugin's")
+    if names:
+        t.set("agent.interactions", names, key)
+    elif not entries:
+        t.ignored.append((key, "the interaction config lists no interactions"))
 
 
 def _tool_config(value: Any, t: Translation, key: str, pm: Any) -> None:
@@ -1432,9 +1727,8 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                     _override_config(key, value, t)
                     continue
                 if key.startswith(MODEL + "lora."):
-                    raise _Unmapped("verl's LoRA for the megatron strategy: rlx's megatron backend has no LoRA "
-                                    "(rlx's fsdp2 backend does: actor_rollout_ref.model.lora_rank with strategy "
-                                    "fsdp)")
+                    _megatron_lora(key.removeprefix(MODEL + "lora."), value, t, verl)
+                    continue
                 why = _is_ignored(key)
                 if why is None:
                     missing = next((w for k, w in MISSING.items() if key == k or (k.endswith(".") and

@@ -5,6 +5,7 @@ stops the command (exit 2) unless --allow-unmapped; the translations pass `rlx c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -456,11 +457,10 @@ def test_multi_turn_limits_formats_and_loops_convert_by_meaning():
 def test_what_rlxs_agents_cannot_follow_is_named(tmp_path):
     pm = get_plugin_manager()
     t = translate({MT + "enable": True, MT + "format": "gpt-oss",
-                   MT + "interaction_config_path": "interaction.yaml",
                    "actor_rollout_ref.rollout.agent.agent_loop_config_path": "loops.yaml",
                    "actor_rollout_ref.rollout.agent.default_agent_loop": "react_agent"}, pm)
     why = dict(t.unmapped)
-    assert "gpt-oss" in why[MT + "format"] and "simulated user" in why[MT + "interaction_config_path"]
+    assert "gpt-oss" in why[MT + "format"]
     assert "docs/agents.md" in why["actor_rollout_ref.rollout.agent.agent_loop_config_path"]
     assert "react_agent" in why["actor_rollout_ref.rollout.agent.default_agent_loop"]
     assert "agent.format" not in t.settings
@@ -500,6 +500,115 @@ def test_tool_configs_are_read_as_data_and_a_bad_one_is_a_user_error(tmp_path):
     assert not (tmp_path / "ran").exists()
     off = translate({MT + "tool_config_path": str(binary)})  # no multi-turn loop: verl picks it per data row
     assert "multi_turn.enable=True" in dict(off.unmapped)[MT + "tool_config_path"]
+
+
+# -- verl's interactions (a simulated user) -----------------------------------------------------------------
+# A script in the shape of verl's examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh: the
+# multi-turn loop with no tools and the gsm8k interaction, from verl's checkout as the working folder.
+INTERACTION = r"""PROJECT_DIR="$(pwd)"
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.train_batch_size=64 \
+    data.max_response_length=3072 \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+    actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+    actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.multi_turn.enable=True \
+    actor_rollout_ref.rollout.multi_turn.max_user_turns=5 \
+    actor_rollout_ref.rollout.multi_turn.interaction_config_path="$PROJECT_DIR/config/interaction.yaml" \
+    trainer.total_epochs=1 $@
+"""
+GSM8K_INTERACTION = "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+
+
+def _interaction_config(folder: Path, data: object) -> Path:
+    path = folder / "config" / "interaction.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_verls_gsm8k_interaction_is_rlxs_and_the_run_validates(home, monkeypatch):
+    monkeypatch.chdir(home)
+    _interaction_config(home, {"interaction": [{"name": "gsm8k", "class_name": GSM8K_INTERACTION, "config": {}}]})
+    t = translate(INTERACTION, get_plugin_manager())
+    assert t.unmapped == []
+    s = t.settings
+    assert (s["agent.name"], s["agent.interactions"]) == ("tool_call", ["gsm8k"]) and "agent.tools" not in s
+    assert s["agent.max_turns"] == 6  # five user turns answered, then the model's last turn
+    assert any("extra_info['turn_scores']" in n and "interaction_kwargs.name" in n for n in t.notes)
+    from rlx.validate import load_config
+
+    cfg = load_config(get_plugin_manager(), overrides=t.overrides(), check_files=False).config
+    assert cfg.agent.interactions == ["gsm8k"] and cfg.agent.tools == []
+    proc = rlx("config", "from-verl", INTERACTION, home=home)
+    assert proc.returncode == 0, proc.stderr
+    path = home / "interaction.yaml"
+    path.write_text(proc.stdout)
+    assert yaml.safe_load(proc.stdout)["agent"]["interactions"] == ["gsm8k"]
+    check = rlx("config", "validate", "--config", str(path), f"trainer.output_dir={home / 'run'}", home=home)
+    assert check.returncode == 0, check.stderr
+
+
+def test_an_interaction_named_by_its_class_and_with_tools_as_in_verls_4xgpu_scripts(tmp_path):
+    """No name: verl names it by its class (Gsm8kInteraction -> gsm8k); its config is noted as not carried over."""
+    path = _interaction_config(tmp_path, {"interaction": [{"class_name": GSM8K_INTERACTION, "config": {"x": 1}}]})
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {}}]}))
+    t = translate({MT + "enable": True, MT + "tool_config_path": str(tools), MT + "interaction_config_path": str(path),
+                   MT + "max_user_turns": 1}, get_plugin_manager())
+    assert t.unmapped == []
+    s = t.settings
+    assert (s["agent.tools"], s["agent.interactions"], s["agent.max_turns"]) == (["calc_gsm8k_reward"], ["gsm8k"], 2)
+    assert any("{'x': 1}" in n and "not carried over" in n for n in t.notes)
+
+
+def test_an_interaction_rlx_has_not_is_named_as_unmapped(tmp_path):
+    path = _interaction_config(tmp_path, {"interaction": [
+        {"name": "weather", "class_name": "verl.interactions.weather_interaction.WeatherInteraction", "config": {}},
+        {"name": "math_checker", "class_name": GSM8K_INTERACTION, "config": {}}]})
+    t = translate({MT + "enable": True, MT + "interaction_config_path": str(path)}, get_plugin_manager())
+    reasons = [why for key, why in t.unmapped if key == MT + "interaction_config_path"]
+    assert len(reasons) == 2
+    assert "WeatherInteraction" in reasons[0] and "rlx interaction plugin" in reasons[0]
+    assert "'math_checker'" in reasons[1] and "named gsm8k" in reasons[1]
+    assert "agent.interactions" not in t.settings
+    empty = translate({MT + "enable": True, MT + "interaction_config_path": str(_interaction_config(
+        tmp_path, {"interaction": []}))})
+    assert dict(empty.ignored)[MT + "interaction_config_path"] == "the interaction config lists no interactions"
+    off = translate({MT + "interaction_config_path": str(path)})  # no multi-turn loop
+    assert "multi_turn.enable=True" in dict(off.unmapped)[MT + "interaction_config_path"]
+    null = translate({MT + "enable": True, MT + "interaction_config_path": None})
+    assert (MT + "interaction_config_path", "null: no simulated user") in null.ignored
+
+
+@pytest.mark.parametrize(("content", "expect"), [
+    (None, "no such file"),
+    (b"\xff\xfe\x00interaction", "not a text file"),
+    ("interaction: [unclosed\n", "cannot read it as YAML"),
+    ("interaction: !!python/object/apply:os.system ['true']\n", "cannot read it as YAML"),  # safe_load: no tags
+    ("interaction: {class_name: x}\n", "not a verl interaction config"),
+    ("- class_name: x\n", "not a verl interaction config"),
+    ("interaction: [{name: gsm8k}]\n", "not a verl interaction config"),
+])
+def test_a_bad_interaction_config_is_a_user_error_naming_the_key_and_path(tmp_path, content, expect):
+    from rlx.errors import UserError
+
+    path = tmp_path / "interaction.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError, match=rf"interaction_config_path={re.escape(str(path))}: {expect}"):
+        translate({MT + "enable": True, MT + "interaction_config_path": str(path)})
+
+
+def test_a_missing_interaction_config_exits_2(home):
+    proc = rlx("config", "from-verl", "python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.multi_turn.enable="
+               "True actor_rollout_ref.rollout.multi_turn.interaction_config_path=/nowhere/i.yaml", home=home)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "interaction_config_path=/nowhere/i.yaml: no such file" in proc.stderr
 
 
 def test_a_scripts_config_name_file_is_read_under_the_command_line(tmp_path, monkeypatch):
@@ -555,7 +664,93 @@ def test_verls_megatron_config_name_is_the_megatron_strategy():
     t = translate(keys, get_plugin_manager())
     assert t.settings["backend.name"] == "megatron" and t.settings["backend.tensor_model_parallel_size"] == 2
     lora = translate({**keys, "actor_rollout_ref.model.lora.rank": 8}, get_plugin_manager())
-    assert "megatron backend has no LoRA" in dict(lora.unmapped)["actor_rollout_ref.model.lora.rank"]
+    assert lora.settings["backend.name"] == "fsdp2"  # rlx's megatron backend has no LoRA
+    assert "fused LoRA" in dict(lora.unmapped)["actor_rollout_ref.model.lora.rank"]  # verl's default lora type
+
+
+MEG = "actor_rollout_ref.actor.megatron."
+OTC = MEG + "override_transformer_config."
+ML = "actor_rollout_ref.model.lora."
+
+
+def _megatron(model: str, **keys: object) -> dict[str, object]:
+    return {"actor_rollout_ref.actor.strategy": "megatron", "actor_rollout_ref.model.path": model,
+            "data.train_files": "/d.parquet", "algorithm.adv_estimator": "grpo", **keys}
+
+
+def test_a_megatron_mixture_of_experts_run_trains_on_fsdp2_with_placement_ignored():
+    pm = get_plugin_manager()
+    t = translate(_megatron("deepseek-ai/DeepSeek-V3", **{
+        MEG + "expert_model_parallel_size": 8, MEG + "expert_tensor_parallel_size": 1,
+        MEG + "tensor_model_parallel_size": 4, MEG + "pipeline_model_parallel_size": 2,
+        OTC + "moe_permute_fusion": True, OTC + "moe_enable_deepep": True, OTC + "moe_token_dispatcher_type": "flex",
+        OTC + "moe_grouped_gemm": True, OTC + "moe_router_dtype": "fp32", OTC + "moe_aux_loss_coeff": 0.01,
+        OTC + "recompute_granularity": "full"}), pm)
+    assert not t.unmapped, t.unmapped
+    assert t.settings["backend.name"] == "fsdp2" and t.settings["model.gradient_checkpointing"] is True
+    assert not any(k.startswith("backend.") and k != "backend.name" for k in t.settings)  # no megatron options
+    ignored = dict(t.ignored)
+    assert "FSDP shards every expert" in ignored[MEG + "expert_model_parallel_size"]
+    assert "float32 too" in ignored[OTC + "moe_router_dtype"]  # DeepSeek-V3's HF router is float32
+    assert "never reads the coefficient" in ignored[OTC + "moe_aux_loss_coeff"]
+    assert any("trains on rlx's fsdp2 backend" in n for n in t.notes)
+    # a dense megatron run stays on the megatron backend
+    assert translate(_megatron("/m", **{MEG + "expert_model_parallel_size": 1}), pm).settings["backend.name"] == \
+        "megatron"
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    (OTC + "moe_router_dtype", "fp32", "no switch for the router's dtype"),  # Qwen3-MoE's router: model.dtype
+    (OTC + "moe_z_loss_coeff", 0.001, "z-loss"),
+    (OTC + "moe_router_load_balancing_type", "aux_loss", "load-balancing loss"),
+    (OTC + "moe_expert_capacity_factor", 1.25, "drops the tokens"),
+    (OTC + "moe_router_topk", 4, "model's shape or routing"),
+])
+def test_megatron_moe_settings_that_change_the_math_are_named(key, value, words):
+    t = translate(_megatron("Qwen/Qwen3-30B-A3B", **{MEG + "expert_model_parallel_size": 4, key: value}),
+                  get_plugin_manager())
+    assert t.settings["backend.name"] == "fsdp2"
+    assert words in dict(t.unmapped)[key]
+
+
+def test_the_router_dtype_is_read_from_a_local_model_folders_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), get_plugin_manager())
+    assert not t.unmapped and t.settings["backend.name"] == "fsdp2"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), get_plugin_manager())
+    assert OTC + "moe_router_dtype" in dict(t.unmapped)
+
+
+def test_routing_replay_stays_refused_on_fsdp2():
+    t = translate(_megatron("Qwen/Qwen3-30B-A3B", **{
+        MEG + "expert_model_parallel_size": 4, "actor_rollout_ref.actor.router_replay.mode": "R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay": True}), get_plugin_manager())
+    assert "routing replay" in dict(t.unmapped)["actor_rollout_ref.actor.router_replay.mode"]
+    assert "actor_rollout_ref.rollout.enable_rollout_routing_replay" in dict(t.unmapped)
+
+
+def test_megatron_canonical_lora_is_rlxs_lora_on_fsdp2():
+    pm = get_plugin_manager()
+    keys = _megatron("/m", **{ML + "rank": 16, ML + "alpha": 32, ML + "type": "canonical_lora",
+                              ML + "lora_A_init_method": "kaiming", ML + "lora_B_init_method": "zero",
+                              ML + "dropout": 0.05, ML + "dropout_position": "pre", ML + "merge": False,
+                              ML + "target_modules": ["linear_q", "linear_k", "linear_v", "linear_proj",
+                                                      "linear_fc1_up", "linear_fc1_gate", "linear_fc2"]})
+    t = translate(keys, pm)
+    assert not t.unmapped, t.unmapped
+    s = t.settings
+    assert s["backend.name"] == "fsdp2" and s["model.lora_rank"] == 16 and s["model.lora_alpha"] == 32
+    assert s["model.lora_dropout"] == 0.05
+    assert s["model.target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"]
+    # verl's default A initialisation (xavier_normal) has no peft counterpart; post-adapter dropout neither
+    del keys[ML + "lora_A_init_method"]
+    t = translate({**keys, ML + "dropout_position": "post"}, pm)
+    assert "xavier" in dict(t.unmapped)[ML + "lora_A_init_method"]
+    assert ML + "dropout_position" in dict(t.unmapped)
+    # canonical LoRA on a mixture-of-experts model: the experts' adapters have no peft counterpart
+    t = translate({**keys, ML + "lora_A_init_method": "kaiming", MEG + "expert_model_parallel_size": 4}, pm)
+    assert "experts" in dict(t.unmapped)[ML + "rank"]
 
 
 def test_a_reward_model_served_by_verls_reward_loop_is_rlxs_reward_model():
