@@ -164,6 +164,13 @@ def _trainer_keys(read: verl_shell.ShellRead, notes: list[str] | None = None) ->
         if text.startswith("~"):  # Hydra's deletion of a default key (reported as unmapped)
             keys[text.partition("=")[0]] = None
             continue
+        if text and not text.strip():  # ``\ `` then a comment: bash passes a space and ends the command there
+            after = f" (after {list(keys)[-1]})" if keys else ""
+            raise UserError(f"--from-verl: the verl command has an argument that is only a space{after}: a backslash "
+                            "followed by a space (a comment after a line-continuation backslash) makes bash pass "
+                            "' ' and end the command at that line, so the lines below it are not part of the "
+                            "command; verl's Hydra refuses the ' ' too.",
+                            "Move the comment off that line (or delete it) so that the backslash ends the line.")
         key, eq, raw = text.partition("=")
         if not eq or not key or key.startswith("-") or "$" in key:
             continue

@@ -150,6 +150,16 @@ class RolloutCorrectionOptions(BaseModel):
         return None if self.rollout_rs is None else parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
 
 
+class PFPPOOptions(BaseModel):
+    """verl's ``algorithm.pf_ppo``: how PF-PPO (``use_pf_ppo``) weighs each response when it resamples the batch."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    reweight_method: Literal["pow", "max_min", "max_random"] = Field(
+        "pow", description="pow: weight |score| ** weight_pow; max_min: only the batch's best and worst scored "
+        "responses (weight 1, others ~0); max_random: 0.4 for the best scored, 0.1 for the others.")
+    weight_pow: float = Field(2.0, ge=0, le=100, description="The power of the pow method.")
+
+
 class AlgorithmOptions(BaseModel):
     """Options common to every built-in algorithm; each algorithm module changes some defaults.
 
@@ -203,6 +213,12 @@ class AlgorithmOptions(BaseModel):
     rollout_correction: RolloutCorrectionOptions = Field(
         default_factory=RolloutCorrectionOptions, description="verl's rollout correction: sequence or token "
         "importance weights and rejection of tokens / sequences (docs/algorithms.md).")
+    use_pf_ppo: bool = Field(
+        False, description="PF-PPO (Policy Filtration for PPO, verl's use_pf_ppo): after the advantages, the batch is "
+        "replaced by as many responses drawn from it with replacement, each with probability proportional to a "
+        "weight of its score (pf_ppo.reweight_method), seeded from trainer.seed and the step; the critic and the "
+        "actor train on the drawn batch. verl applies it with adv_estimator=gae only.")
+    pf_ppo: PFPPOOptions = Field(default_factory=PFPPOOptions, description="PF-PPO's weights (use_pf_ppo).")
     # -- KL to the reference policy
     use_kl_loss: bool = Field(True, description="Add KL(pi || pi_ref) as a loss term (GRPO style).")
     kl_loss_coef: float = Field(0.001, ge=0, le=100, description="Weight of the KL loss.")
@@ -437,6 +453,10 @@ class PolicyGradient:
         self.filter_groups = opts.filter_groups
         self.max_num_gen_batches = opts.max_num_gen_batches
         self.stats: dict[str, float] = {}  # the last compute_advantages' statistics
+        # PF-PPO draws its rows with a generator seeded from trainer.seed and the number of draws so far (saved in
+        # checkpoints), so a run and its resumption draw the same rows.
+        self.pf_ppo_seed = ctx.config.trainer.seed if ctx.config is not None else 0
+        self.pf_ppo_draws = 0
         # What the trainer reads (the attributes above stay for code written against rlx 0.1).
         self.needs = AlgorithmNeeds(ref=self.needs_ref, critic=self.needs_critic,
                                     greedy_baseline=self.needs_greedy_baseline, filter_groups=self.filter_groups,
@@ -558,8 +578,29 @@ class PolicyGradient:
         batch.update(shaped_scores=scores, token_level_scores=token_scores, token_level_rewards=rewards,
                      advantages=torch.where(valid, advantages.float(), zero),
                      returns=torch.where(valid, returns.float(), zero))
+        if o.use_pf_ppo:
+            stats.update(self._pf_ppo_resample(batch))
         self.stats = stats  # this step's, for metrics()
         return batch
+
+    def _pf_ppo_resample(self, batch: Batch) -> dict[str, float]:
+        """PF-PPO, as verl: the batch's rows replaced, in place, by B rows drawn with replacement with probabilities
+        proportional to :func:`~rlx.plugins.algorithms.functional.pf_ppo_weights` of the sequence scores
+        (``token_level_scores`` summed: the shaped scores, before any KL penalty)."""
+        import torch
+
+        from rlx.plugins.algorithms import functional as F
+
+        p = self.opts.pf_ppo
+        gen = torch.Generator().manual_seed((self.pf_ppo_seed * 1_000_003 + self.pf_ppo_draws) % (2**63 - 1))
+        self.pf_ppo_draws += 1
+        scores = batch["token_level_scores"].sum(-1)
+        rows = F.pf_ppo_resample(scores, p.reweight_method, p.weight_pow, gen)
+        drawn = batch.index(rows)
+        batch.tensors, batch.non_tensors = drawn.tensors, drawn.non_tensors
+        return {"pf_ppo/unique_ratio": len(set(rows.tolist())) / max(len(rows), 1),
+                "pf_ppo/score_mean_before": float(scores.float().mean()),
+                "pf_ppo/score_mean_after": float(batch["token_level_scores"].sum(-1).float().mean())}
 
     # -- losses -----------------------------------------------------------------------------
     def policy_loss_fn(self) -> ActorLoss:
@@ -610,12 +651,14 @@ class PolicyGradient:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kl_coef": self.kl_ctrl.value, "equal_score_steps": self.equal_score_steps}
+        return {"kl_coef": self.kl_ctrl.value, "equal_score_steps": self.equal_score_steps,
+                "pf_ppo_draws": self.pf_ppo_draws}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "kl_coef" in state:
             self.kl_ctrl.value = float(state["kl_coef"])
         self.equal_score_steps = int(state.get("equal_score_steps", 0))
+        self.pf_ppo_draws = int(state.get("pf_ppo_draws", 0))
 
 
 def make_builder(options_cls: type[AlgorithmOptions]

@@ -1476,3 +1476,35 @@ def count_equal_score_groups(scores: torch.Tensor, index: torch.Tensor) -> tuple
     share = torch.where(n > 1, 1.0 / n, torch.zeros_like(n))  # each row holds 1/n of its group
     return round(float(share.sum())), round(float(torch.where(equal, share, torch.zeros_like(share)).sum()))
 
+
+
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+
+
+def pf_ppo_weights(scores: torch.Tensor, method: str, weight_pow: float = 2.0) -> torch.Tensor:
+    """PF-PPO's (Policy Filtration PPO) resampling weights of B responses from their sequence scores, (B,) float32,
+    as verl's ``compute_pf_ppo_reweight_data``:
+
+      pow         |s_i| ** weight_pow
+      max_min     1 where s_i is the batch's highest or lowest score, else 0
+      max_random  0.4 where s_i is the batch's highest score, else 0.1
+
+    then each weight + 1e-8 (clamped at 1e-8 from below), so that every response can still be drawn."""
+    s = _float_scores(scores)
+    if method == "pow":
+        w = s.abs().pow(float(weight_pow))
+    elif method == "max_min":
+        w = ((s == s.max()) | (s == s.min())).float()
+    elif method == "max_random":
+        w = torch.where(s == s.max(), 0.4, 0.1).float()
+    else:
+        raise ValueError(f"pf_ppo reweight_method must be one of {', '.join(PF_PPO_METHODS)}, got {method!r}")
+    return (w + 1e-8).clamp(min=1e-8)
+
+
+def pf_ppo_resample(scores: torch.Tensor, method: str, weight_pow: float,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B,) long: B row indices drawn with replacement, each row with probability proportional to its
+    :func:`pf_ppo_weights`; the batch to train on is the batch's rows at these indices."""
+    weights = pf_ppo_weights(scores, method, weight_pow).cpu()
+    return torch.multinomial(weights, len(weights), replacement=True, generator=generator)

@@ -4,7 +4,10 @@ translation validates."""
 
 from __future__ import annotations
 
+import pytest
+
 from rlx.cli.from_verl import translate
+from rlx.errors import UserError
 from rlx.registry import get_plugin_manager
 from rlx.validate import load_config
 
@@ -27,3 +30,27 @@ def test_override_config_both_forms():
     assert validated(t).model.override_config == {"max_position_embeddings": 32768, "rope_theta": 1e6}
     empty = translate({"algorithm.adv_estimator": "grpo", MODEL + "override_config": {}})
     assert empty.unmapped == [] and MODEL + "override_config" in dict(empty.ignored)
+
+
+def test_pf_ppo_keys_with_gae_and_without():
+    pf = {"algorithm.use_pf_ppo": True, "algorithm.pf_ppo.reweight_method": "max_random",
+          "algorithm.pf_ppo.weight_pow": 3.0}
+    t = translate({"algorithm.adv_estimator": "gae", **pf}, get_plugin_manager())
+    assert (t.settings["algorithm.use_pf_ppo"], t.settings["algorithm.pf_ppo.reweight_method"],
+            t.settings["algorithm.pf_ppo.weight_pow"]) == (True, "max_random", 3.0) and t.unmapped == []
+    opts = validated(t).algorithm.options()
+    assert opts["use_pf_ppo"] is True and opts["pf_ppo"] == {"reweight_method": "max_random", "weight_pow": 3.0}
+    # verl resamples in its gae branch only: with grpo its use_pf_ppo changes nothing, and is left out
+    grpo = translate({"algorithm.adv_estimator": "grpo", **pf}, get_plugin_manager())
+    assert not any(k.startswith("algorithm.pf_ppo") or k == "algorithm.use_pf_ppo" for k in grpo.settings)
+    assert "verl applies PF-PPO with adv_estimator=gae only" in dict(grpo.ignored)["algorithm.use_pf_ppo"]
+    off = translate({"algorithm.adv_estimator": "gae", "algorithm.use_pf_ppo": False,
+                     "algorithm.pf_ppo.weight_pow": 3.0})
+    assert "algorithm.pf_ppo.weight_pow" not in off.settings and off.unmapped == []
+
+
+def test_a_comment_after_a_continuation_backslash_is_named():
+    script = ("python3 -m verl.trainer.main_ppo \\\n    algorithm.adv_estimator=gae \\\n"
+              "    algorithm.use_pf_ppo=True \\  # on\n    actor_rollout_ref.model.path=m \\\n")
+    with pytest.raises(UserError, match=r"argument that is only a space \(after algorithm\.use_pf_ppo\)"):
+        translate(script)
