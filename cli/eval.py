@@ -135,7 +135,8 @@ def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) 
                          key="model.tokenizer_path" if m.tokenizer_path else "model.path")
     d = cfg.data
     dataset = load_prompts(d.val_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                           filter_overlong=d.filter_overlong_prompts, source_key="--data")
+                           filter_overlong=d.filter_overlong_prompts, source_key="--data",
+                           template_kwargs=d.apply_chat_template_kwargs)
     ctx = BuildContext(cfg, RunInfo("", cfg.trainer.project, "eval", resolved.as_dict()), pm, tok)
     rollout = pm.get("rollout", cfg.rollout.name).load_factory()(resolved.options.get("rollout"), ctx)
     reward_fn = pm.get("reward", cfg.reward.name).load_factory()(resolved.options.get("reward"), ctx)

@@ -894,6 +894,22 @@ def _override_config(key: str, value: Any, t: Translation) -> None:
     t.set(f"model.override_config.{name}", value, key)
 
 
+TEMPLATE_KWARGS = "data.apply_chat_template_kwargs"
+
+
+def _template_kwargs(key: str, value: Any, t: Translation) -> None:
+    """verl's ``data.apply_chat_template_kwargs.NAME``: a further argument of the chat template (its dataset's and
+    its agent loops' renderings), rlx's ``data.apply_chat_template_kwargs.NAME``."""
+    name = key[len(TEMPLATE_KWARGS):].lstrip(".")
+    if not name:
+        if value in (None, {}):
+            raise _Ignored("empty: the chat template's own defaults")
+        raise _Unmapped(f"{value!r} is not a mapping of template arguments")
+    if "." in name:
+        raise _Unmapped(f"{name!r} is not one argument name")
+    t.set(f"{TEMPLATE_KWARGS}.{name}", value, key)
+
+
 def _bypass_mode(value: Any, t: Translation, verl: dict[str, Any]) -> None:
     if not isinstance(value, bool):
         raise _Unmapped(f"{value!r} is not true or false")
@@ -1281,11 +1297,7 @@ def _reward_context(verl: dict[str, Any], t: Translation) -> None:
 MISSING: dict[str, str] = {
     "data.custom_cls.": "a dataset class of verl's (Python code), which rlx never imports from a verl config; "
     "rlx reads verl-shaped parquet rows itself",
-    "data.apply_chat_template_kwargs.": "extra arguments of the chat template (they change the prompt, e.g. "
-    "gpt-oss's reasoning_effort); rlx renders the template without them",
     MODEL + "custom_chat_template": "a chat template other than the tokenizer's own, which rlx formats prompts with",
-    MODEL + "override_config.": "overrides of the model's Hugging Face config (e.g. max_position_embeddings); rlx "
-    "loads the model with the config its folder has",
     MODEL + "lora_adapter_path": "training an existing LoRA adapter further; rlx's LoRA starts from a new adapter",
     MODEL + "torch_dtype": "not a key of verl's model config (verl's Hydra refuses it unless written with a "
     "leading +; the model's dtype is fsdp_config.model_dtype there, model.dtype in rlx)",
@@ -1732,6 +1744,9 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                     raise _Unmapped(VISION)
                 if key.startswith(MODEL + "override_config"):
                     _override_config(key, value, t)
+                    continue
+                if key.startswith(TEMPLATE_KWARGS):
+                    _template_kwargs(key, value, t)
                     continue
                 if key.startswith(MODEL + "lora."):
                     _megatron_lora(key.removeprefix(MODEL + "lora."), value, t, verl)

@@ -301,8 +301,10 @@ class EpisodeRunner:
 
     def __init__(self, loop: Any, tools: dict[str, Tool], tokenizer: Any, limits: AgentLimits,
                  generate: Callable[[Batch, SamplingParams], Batch], loop_name: str = "agent loop",
-                 interactions: dict[str, Interaction] | None = None) -> None:
+                 interactions: dict[str, Interaction] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.loop, self.tools, self.tokenizer, self.limits = loop, tools, tokenizer, limits
+        self.template_kwargs = dict(template_kwargs or {})  # data.apply_chat_template_kwargs
         self.interactions = dict(interactions or {})
         self._generate, self.loop_name = generate, loop_name
         self.max_tokens = 0
@@ -437,7 +439,7 @@ class EpisodeRunner:
         key = json.dumps(list(messages), sort_keys=True, default=str)
         cached = self._render_cache.get(key)
         if cached is None:
-            cached = render_after_turn(self.tokenizer, list(messages), self._tool_schemas)
+            cached = render_after_turn(self.tokenizer, list(messages), self._tool_schemas, self.template_kwargs)
             if len(self._render_cache) < 4096:
                 self._render_cache[key] = cached
         return list(cached)
@@ -513,13 +515,15 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
-def render_after_turn(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def render_after_turn(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """What the chat template appends after an assistant turn for ``messages``: the template is rendered for a
     short conversation with and without them; the difference, from just after the assistant's end-of-turn token,
     is tokenized. A template that writes the earlier turns differently once more follow cannot be continued this
-    way: that is a :class:`UserError`."""
+    way: that is a :class:`UserError`. ``template_kwargs`` (``data.apply_chat_template_kwargs``) go to both
+    renderings, as to the prompts'."""
     base = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
-    kwargs: dict[str, Any] = {"tokenize": False}
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False}
     if tools:
         kwargs["tools"] = tools
     try:

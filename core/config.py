@@ -46,6 +46,12 @@ MAX_TURNS = 1024  # agent.max_turns: assistant turns of one episode
 MAX_SEED = 2**32 - 1  # the widest seed every RNG in use takes (numpy, vLLM)
 MAX_LORA_RANK = 2**16  # model.lora_rank, model.lora_alpha: far above any model's width
 
+# apply_chat_template's arguments that rlx sets where it renders a conversation (data.apply_chat_template_kwargs
+# may not): the conversation itself, what is returned, the tools listed, and whether an assistant turn is opened.
+CHAT_TEMPLATE_OWNED = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
 # ``trainer.output_dir`` may name these; anything else in braces is an error.
 OUTPUT_DIR_PLACEHOLDERS = ("project", "experiment")
 
@@ -137,6 +143,23 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
     filter_overlong_prompts: bool = Field(
         True, description="Drop (and count) prompts over max_prompt_length; if false they are an error.")
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Further keyword arguments of the tokenizer's apply_chat_template, "
+        "wherever rlx renders a conversation: the training and validation prompts, rlx eval's, and the turns of "
+        "multi-turn episodes; the template reads them as variables (gpt-oss: reasoning_effort=medium; Qwen3: "
+        "enable_thinking=false). Arguments rlx sets itself (tokenize, add_generation_prompt, tools, ...) are "
+        "refused.")
+
+    @field_validator("apply_chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in v:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ValueError(f"the key {key!r} is not a template variable name (a Python identifier)")
+            if key in CHAT_TEMPLATE_OWNED:
+                raise ValueError(f"{key} is set by rlx where it renders a conversation (rlx sets "
+                                 f"{', '.join(CHAT_TEMPLATE_OWNED)})")
+        return v
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod

@@ -164,11 +164,12 @@ class Trainer:
         self.train_set = load_prompts(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length,
                                       filter_overlong=d.filter_overlong_prompts, source_key="data.train_files",
-                                      tools=schemas)
+                                      tools=schemas, template_kwargs=d.apply_chat_template_kwargs)
         self.val_set = load_prompts(d.val_files, self.tokenizer, prompt_key=d.prompt_key,
                                     max_prompt_length=d.max_prompt_length,
                                     filter_overlong=d.filter_overlong_prompts,
-                                    source_key="data.val_files", tools=schemas) if d.val_files else None
+                                    source_key="data.val_files", tools=schemas,
+                                    template_kwargs=d.apply_chat_template_kwargs) if d.val_files else None
         self.loader = PromptLoader(self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=cfg.trainer.seed)
         per_epoch = self.loader.batches_per_epoch()
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * per_epoch
@@ -190,7 +191,8 @@ class Trainer:
                             for name in cfg.agent.interactions}
             self.agent = EpisodeRunner(self._build("agent_loop", cfg.agent.name, "agent"), self.tools, self.tokenizer,
                                        AgentLimits.from_config(cfg.agent), self._engine_generate,
-                                       describe_component(loop), interactions)
+                                       describe_component(loop), interactions,
+                                       template_kwargs=cfg.data.apply_chat_template_kwargs)
         if self.needs.old_from_rollout and cfg.actor.recompute_old_log_prob is True:
             raise ConfigError(["actor.recompute_old_log_prob=true asks for the old-log-prob pass, but "
                                "algorithm.rollout_correction.bypass_mode takes the old log-probs from the rollout "

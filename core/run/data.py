@@ -263,9 +263,11 @@ class PromptDataset:
 
 
 def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt_length: int,
-                 filter_overlong: bool, source_key: str, tools: list[dict[str, Any]] | None = None) -> PromptDataset:
+                 filter_overlong: bool, source_key: str, tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> PromptDataset:
     """Read, validate, apply the chat template, tokenize, and drop (and count) over-long prompts. ``tools``:
-    the schemas of the tools an agent may call, given to the chat template (which lists them to the model)."""
+    the schemas of the tools an agent may call, given to the chat template (which lists them to the model).
+    ``template_kwargs`` (``data.apply_chat_template_kwargs``): further keyword arguments of the chat template."""
     rows: list[dict[str, Any]] = []
     for ref in refs:
         file_rows = read_rows([ref])
@@ -282,7 +284,7 @@ def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt
         prompt = row[prompt_key]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
-            extra = {"tools": tools} if tools else {}
+            extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # a template may reject a conversation (roles must alternate, ...)
             raise UserError(f"{source_key} ({', '.join(refs)}): row {i}: the chat template rejects its "

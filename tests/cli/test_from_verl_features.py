@@ -54,3 +54,16 @@ def test_a_comment_after_a_continuation_backslash_is_named():
               "    algorithm.use_pf_ppo=True \\  # on\n    actor_rollout_ref.model.path=m \\\n")
     with pytest.raises(UserError, match=r"argument that is only a space \(after algorithm\.use_pf_ppo\)"):
         translate(script)
+
+
+def test_chat_template_kwargs():
+    t = translate({"algorithm.adv_estimator": "grpo", "data.apply_chat_template_kwargs.reasoning_effort": "medium",
+                   "data.apply_chat_template_kwargs.enable_thinking": False}, get_plugin_manager())
+    assert t.unmapped == [] and t.settings["data.apply_chat_template_kwargs.reasoning_effort"] == "medium"
+    assert validated(t).data.apply_chat_template_kwargs == {"reasoning_effort": "medium", "enable_thinking": False}
+    empty = translate({"algorithm.adv_estimator": "grpo", "data.apply_chat_template_kwargs": {}})
+    assert empty.unmapped == [] and "data.apply_chat_template_kwargs" in dict(empty.ignored)
+    # an argument rlx sets itself passes the translation and is the config's error, naming it
+    bad = translate({"algorithm.adv_estimator": "grpo", "data.apply_chat_template_kwargs.tokenize": True})
+    with pytest.raises(UserError, match="tokenize is set by rlx"):
+        validated(bad)
