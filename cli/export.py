@@ -224,6 +224,10 @@ def export_command(
             worker.save_adapter(str(tmp), tokenizer)
         else:
             worker.save_pretrained(str(tmp), tokenizer)
+        if not adapter_only:  # a vision-language model's image processor settings go with it
+            from rlx.run.vision import copy_processor_files
+
+            copy_processor_files(resolve_path(cfg.model.path), str(tmp))
         (tmp / MARKER).write_text(f"rlx export of {ckpt.resolve() / role}\n", encoding="utf-8")
         checkpoint.replace_dir(tmp, out)
     except BaseException:

@@ -322,6 +322,7 @@ DIRECT: dict[str, str] = {
     MODEL + "use_remove_padding": "actor.use_remove_padding",
     MODEL + "lora_alpha": "model.lora_alpha",
     MODEL + "target_modules": "model.target_modules",
+    MODEL + "exclude_modules": "model.exclude_modules",
     AA + "optim.lr": "actor.optim.lr",
     AA + "optim.weight_decay": "actor.optim.weight_decay",
     AA + "optim.betas": "actor.optim.betas",
@@ -963,24 +964,29 @@ _EXPERT_SIZES = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 # states and its weight to float32): DeepSeek-V3/R1 and the models built on its architecture (Moonlight, Kimi-K2).
 _FP32_ROUTER_MODEL = re.compile(r"(?i)deepseek[-_]?(?:v3|r1)|moonlight|kimi[-_]?k2")
 _FP32_ROUTER_TYPES = ("deepseek_v3", "kimi_k2")
-_ON_FSDP2 = ("rlx's megatron backend trains dense models without LoRA, so this run trains on rlx's fsdp2 backend: "
-             "the same Hugging Face model (its experts and router, or its LoRA adapters) and the same loss; "
+_ON_FSDP2 = ("rlx's megatron backend trains dense language models without LoRA, so this run trains on rlx's fsdp2 "
+             "backend: the same Hugging Face model (its experts and router, its vision tower, or its LoRA adapters) "
+             "and the same loss; "
              "verl's tensor, pipeline, context and expert parallel sizes only place the computation, and FSDP "
              "shards every weight, the experts included, over the ranks instead")
 
 
 def _megatron_needs(verl: dict[str, Any]) -> list[str]:
     """What a megatron-strategy run needs that rlx's megatron backend lacks: mixture-of-experts settings (expert
-    parallelism, megatron-core's moe_* settings) or LoRA (``model.lora.rank`` above 0)."""
+    parallelism, megatron-core's moe_* settings, unless the model is known to be dense) or LoRA (``model.lora.rank``
+    above 0)."""
     needs: list[str] = []
+    dense = _dense_model(verl) is not None
     for key, value in verl.items():
         rest = key.removeprefix(MEGATRON)
         if rest != key and ((rest in _EXPERT_SIZES and value not in (1, None))
-                            or rest.startswith("override_transformer_config.moe_")):
+                            or (rest.startswith("override_transformer_config.moe_") and not dense)):
             needs.append(key)
     rank = verl.get(MODEL + "lora.rank")
     if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
         needs.append(MODEL + "lora.rank")
+    if _vision_supported(str(verl.get(MODEL + "path", ""))):
+        needs.append(MODEL + "path (a vision-language model)")
     return needs
 
 
@@ -998,24 +1004,64 @@ def _fp32_router(verl: dict[str, Any]) -> bool:
     return bool(_FP32_ROUTER_MODEL.search(path.rstrip("/").rpartition("/")[2]))
 
 
-def _moe_setting(name: str, value: Any, verl: dict[str, Any]) -> None:
+# Names of mixture-of-experts models: an active-parameter tag (Qwen3-30B-A3B, Qwen3-235B-A22B, ERNIE-4.5-21B-A3B,
+# Granite-3.0-3B-A800M), an expert count (Mixtral-8x7B, Llama-4-Scout-17B-16E), "moe" (Qwen1.5-MoE, OLMoE) or a
+# family that is MoE throughout.
+_MOE_MODEL = re.compile(r"(?i)(?:^|[-_.])a\d+(?:\.\d+)?[bm](?:[-_.]|$)|moe|mixtral|\d+x\d+b|[-_]\d+e(?:[-_.]|$)"
+                        r"|gpt-oss|dbrx|jamba|qwen3-next|deepseek[-_]?v2|glm-4\.[56]|minimax|kimi")
+# The Hugging Face config attributes that count a model's routed experts (also read by rlx.plugins.modeling.moe).
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _dense_model(verl: dict[str, Any]) -> str | None:
+    """Why the policy is known to be a dense model (no experts, so no router), or None when it may have experts:
+    its folder's config.json (and its text_config) when the folder is here, else its name (MoE names carry an
+    active-parameter tag, an expert count or "moe"); an empty or unexpanded path is not known."""
+    path = str(verl.get(MODEL + "path", ""))
+    config = Path(os.path.expanduser(path)) / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        parts = [data] + ([data["text_config"]] if isinstance(data.get("text_config"), dict) else [])
+        if any(part.get(k) for part in parts for k in _EXPERT_KEYS):
+            return None
+        return f"its config.json names no experts ({', '.join(_EXPERT_KEYS)})"
+    name = path.rstrip("/").rpartition("/")[2]
+    if not name or "$" in name or _MOE_MODEL.search(name) or _FP32_ROUTER_MODEL.search(name):
+        return None
+    return f"{name} is a dense model by its name (no active-parameter tag such as A3B, no expert count, no moe)"
+
+
+def _moe_setting(name: str, value: Any, verl: dict[str, Any], t: Translation, key: str) -> None:
     """megatron-core's ``override_transformer_config.moe_*`` settings, on rlx's fsdp2 backend (the Hugging Face
-    model's own MoE layers): placement is ignored; a setting of the math is accepted only where it equals what the
-    Hugging Face model computes, and named otherwise."""
+    model's own MoE layers): placement is ignored; a float32 router is model.router_dtype=float32; another setting
+    of the math is accepted only where it equals what the Hugging Face model computes, and named otherwise.
+    Returns when the setting is mapped, else raises :class:`_Ignored` or :class:`_Unmapped`."""
     otc = MEGATRON + "override_transformer_config."
+    dense = _dense_model(verl)
+    if dense is not None:
+        raise _Ignored(f"{value}: no experts: {dense}, so the model has no router or experts for megatron-core's "
+                       "MoE settings")
     if name in MOE_PLACEMENT:
         raise _Ignored("how megatron-core lays out, fuses or sends the experts' work (the Hugging Face model computes "
                        "the same experts for each token in its own kernels): " + _PLACEMENT)
     if name == "moe_router_dtype":
         if value is None:
             raise _Ignored("null: the router in the model's dtype")
-        if str(value).removeprefix("torch.") in ("fp32", "float32") and _fp32_router(verl):
+        if str(value).removeprefix("torch.") not in ("fp32", "float32"):
+            raise _Unmapped(f"a router computed in {value}: megatron-core casts the router's input and weight to it; "
+                            "rlx's model.router_dtype is auto (the model's dtype) or float32")
+        if _fp32_router(verl):
             raise _Ignored(f"{value}: this model's Hugging Face router (DeepSeek-V3's) computes its logits in "
                            "float32 too")
-        raise _Unmapped(f"a router computed in {value}: megatron-core casts the router's input and weight to it; the "
-                        "Hugging Face model's router (Qwen-MoE's, Mixtral's) computes in model.dtype (bf16 on a GPU), "
-                        "which can choose other experts where two scores nearly tie, and rlx has no switch for the "
-                        "router's dtype")
+        # NOTE: Qwen-MoE's, Mixtral's and Qwen3-VL-MoE's Hugging Face routers compute in model.dtype; rlx's
+        # float32 router casts the gate's input and weight as megatron-core does (the experts unchanged).
+        t.set("model.router_dtype", "float32", key)
+        return
     if name == "moe_router_load_balancing_type":
         if value in ("none", None):
             raise _Ignored("none: no load-balancing loss, as verl's model bridges set it and as rlx computes")
@@ -1086,6 +1132,9 @@ def _backend(verl: dict[str, Any], t: Translation) -> None:
             t.ignored.append((key, _PLACEMENT))
         elif rest in _EXPERT_SIZES and value in (1, None):
             t.ignored.append((key, "1: no expert parallelism"))
+        elif rest.startswith("override_transformer_config.moe_"):  # a dense model (_megatron_needs)
+            t.ignored.append((key, f"{value}: no experts: {_dense_model(verl)}, so the model has no router or experts "
+                              "for megatron-core's MoE settings"))
         else:
             t.unmapped.append((key, "no rlx counterpart"))
 
@@ -1107,7 +1156,8 @@ def _megatron_on_fsdp2(key: str, rest: str, value: Any, verl: dict[str, Any], t:
                            "same model over the ranks: " + _PLACEMENT)
         name = rest.removeprefix("override_transformer_config.")
         if name.startswith("moe_"):
-            _moe_setting(name, value, verl)
+            _moe_setting(name, value, verl, t, key)
+            return
         raise _Unmapped("a megatron setting with no counterpart in rlx's fsdp2 backend")
     except _Ignored as exc:
         t.ignored.append((key, str(exc)))
@@ -1312,25 +1362,75 @@ MISSING: dict[str, str] = {
     "replayed in training)",
 }
 
-VISION = ("vision inputs: verl feeds the images (and videos) of the data's rows to a vision-language model, and "
-          "rlx trains text-only models")
+VISION = ("vision inputs of a kind rlx lacks: rlx feeds the images of a row (data.image_key) to the vision-language "
+          "models of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and GLM-4.1V, not videos")
 VISION_KEYS = ("data.image_key", "data.video_key", "data.return_multi_modal_inputs", AA + "freeze_vision_tower",
                "data.image_patch_size")
 # Model folders of vision-language models (Qwen2.5-VL, Qwen3-VL, GLM-4.1V, MiniCPM-o/V, LLaVA, InternVL) and
 # verl's geo3k data (its prompts hold images): verl reads the images column (data.image_key, default images)
 # without being told.
 _VISION_MODEL = re.compile(r"(?i)(?:[-_]vl(?:[-_]|$)|\d(?:\.\d+)?v[-_]|llava|internvl|minicpm-?[ov](?:[-_]|$))")
+# The ones rlx feeds images to (rlx.run.vision), by name when the folder is not on this machine.
+_VISION_SUPPORTED = re.compile(r"(?i)(?:qwen2(?:\.5)?-vl|qwen3-vl|glm-4\.1v)")
+
+
+def _vision_supported(path: str) -> bool | None:
+    """Whether rlx feeds images to the model at ``path`` (its config.json's model type when the folder is here,
+    else its name); None when the model is no vision-language model at all."""
+    from rlx.run.vision import FAMILIES
+
+    config = Path(os.path.expanduser(path)) / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict):
+            if "vision_config" not in data:
+                return None
+            return data.get("model_type") in FAMILIES
+    name = path.rstrip("/").rpartition("/")[2]
+    if not _VISION_MODEL.search(name) and not _VISION_SUPPORTED.search(name):
+        return None
+    return bool(_VISION_SUPPORTED.search(name))
 
 
 def _vision(verl: dict[str, Any], t: Translation) -> None:
-    if any(k in verl for k in VISION_KEYS):
-        return  # named with the key
+    """A vision-language model or verl's image data: rlx's own image inputs (rlx.run.vision), or the sentence of
+    what it lacks."""
     model = str(verl.get(MODEL + "path", ""))
-    files = " ".join(str(verl.get(k, "")) for k in ("data.train_files", "data.val_files"))
-    if _VISION_MODEL.search(model.rstrip("/").rpartition("/")[2]) or "geo3k" in files.lower():
-        what = f"the model {model}" if _VISION_MODEL.search(model) else "verl's geo3k data"
-        t.unmapped.append(("data.image_key", f"{VISION} ({what}; verl reads the images column, data.image_key, "
-                                             "even when the script does not name it)"))
+    supported = _vision_supported(model)
+    if supported is False:
+        t.unmapped.append(("data.image_key", f"{VISION} (the model {model})"))
+    elif supported is None and "geo3k" in " ".join(str(verl.get(k, "")) for k in ("data.train_files",
+                                                                                   "data.val_files")).lower():
+        t.unmapped.append(("data.image_key", f"{VISION}: verl's geo3k data holds images, and the model {model} "
+                                             "is not a vision-language model"))
+
+
+def _vision_key(key: str, value: Any, t: Translation) -> None:
+    """The data and actor settings of image inputs."""
+    if key == "data.image_key":
+        if value is None:
+            raise _Ignored("null: rlx's default data.image_key=images")
+        t.set("data.image_key", value, key)
+    elif key == "data.video_key":
+        if value in (None, ""):
+            raise _Ignored("null: no videos")
+        raise _Unmapped("videos in the prompts: rlx's vision inputs are images")
+    elif key == "data.return_multi_modal_inputs":
+        if value is True:
+            raise _Ignored("true (verl's default): rlx's batches always carry the images' tensors to the actor's "
+                           "forward passes")
+        raise _Unmapped("false: verl then leaves the image tensors to its agent loop, which rlx's text-only agent "
+                        "loops cannot take")
+    elif key == AA + "freeze_vision_tower":
+        if value is False:
+            raise _Ignored("false (verl's default): the vision tower trains with the rest, as in rlx")
+        raise _Unmapped("a frozen vision tower: rlx trains every weight of the model")
+    elif key == "data.image_patch_size":
+        raise _Ignored("verl resizes images to a multiple of this patch size (times the merge size) before its "
+                       "processor does; rlx resizes with the model's own image processor, whose patch size this is")
 
 
 def _dapo_key(key: str, verl: dict[str, Any]) -> None:
@@ -1741,7 +1841,8 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                 if key.startswith(RM_ROLLOUT):
                     _reward_engine(key, verl)
                 if key in VISION_KEYS:
-                    raise _Unmapped(VISION)
+                    _vision_key(key, value, t)
+                    continue
                 if key.startswith(MODEL + "override_config"):
                     _override_config(key, value, t)
                     continue

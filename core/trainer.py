@@ -49,6 +49,7 @@ from rlx.run.files import check_run_folder_links, is_private, make_tree_private,
 from rlx.run.metrics import FlopsCounter, mfu_metrics, peak_tflops
 from rlx.run.models import check_config_overrides, check_model_folder, load_tokenizer
 from rlx.run.reward_worker import RewardWorker
+from rlx.run.vision import copy_processor_files, vision_prompts
 from rlx.step import role_settings
 from rlx.validate import Resolved
 
@@ -158,18 +159,22 @@ class Trainer:
         self.tokenizer = load_tokenizer(resolve_path(m.tokenizer_path or m.path), m.trust_remote_code,
                                         key="model.tokenizer_path" if m.tokenizer_path else "model.path")
         d = cfg.data
+        # A vision-language model: prompts with images (rlx.run.vision)
+        self.vision = vision_prompts(self.model_path, self.tokenizer, m.trust_remote_code)
         # Multi-turn rollouts (rlx.agent): the tools the model may call, listed to it by the chat template.
         self.tools = {name: self._build("tool", name, f"tools.{name}") for name in cfg.agent.tools}
         schemas = [tool.schema() for tool in self.tools.values()] or None
         self.train_set = load_prompts(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length,
                                       filter_overlong=d.filter_overlong_prompts, source_key="data.train_files",
-                                      tools=schemas, template_kwargs=d.apply_chat_template_kwargs)
+                                      tools=schemas, image_key=d.image_key, vision=self.vision,
+                                      template_kwargs=d.apply_chat_template_kwargs)
         self.val_set = load_prompts(d.val_files, self.tokenizer, prompt_key=d.prompt_key,
                                     max_prompt_length=d.max_prompt_length,
                                     filter_overlong=d.filter_overlong_prompts,
-                                    source_key="data.val_files", tools=schemas,
-                                    template_kwargs=d.apply_chat_template_kwargs) if d.val_files else None
+                                    source_key="data.val_files", tools=schemas, image_key=d.image_key,
+                                    vision=self.vision, template_kwargs=d.apply_chat_template_kwargs
+                                    ) if d.val_files else None
         self.loader = PromptLoader(self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=cfg.trainer.seed)
         per_epoch = self.loader.batches_per_epoch()
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * per_epoch
@@ -193,6 +198,11 @@ class Trainer:
                                        AgentLimits.from_config(cfg.agent), self._engine_generate,
                                        describe_component(loop), interactions,
                                        template_kwargs=cfg.data.apply_chat_template_kwargs)
+        if self.agent is not None and self.vision is not None and any(
+                e.images is not None for e in self.train_set.examples):
+            raise ConfigError([f"agent.name={cfg.agent.name} runs multi-turn episodes, which are text only, and "
+                               f"the training prompts hold images ({d.image_key}): use agent.name=single_turn for "
+                               "a vision-language model's prompts with images."])
         if self.needs.old_from_rollout and cfg.actor.recompute_old_log_prob is True:
             raise ConfigError(["actor.recompute_old_log_prob=true asks for the old-log-prob pass, but "
                                "algorithm.rollout_correction.bypass_mode takes the old log-probs from the rollout "
@@ -243,6 +253,7 @@ class Trainer:
             forward=dataclasses.replace(
                 settings.forward, log_prob_micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device),
             lora=settings.lora, config_overrides=dict(settings.config_overrides),
+            router_dtype=settings.router_dtype,
         )
 
     def _critic_spec(self) -> RoleSpec:
@@ -489,7 +500,7 @@ class Trainer:
                     continued = len(todo)
                 parts.append(merged)
             if fresh and _groups(carry) < self.cfg.data.train_batch_size:
-                prompts = collate(self._next_examples(), pad)
+                prompts = collate(self._next_examples(), pad, self.vision)
                 batch = self.rollout.call(RolloutEngine.generate, prompts, self.sampling, interrupt=interrupt)
                 batch.tensors["group_index"] = torch.arange(len(prompts)).repeat_interleave(n) + self._groups_seen
                 batch.tensors["response_versions"] = batch["response_mask"] * version
@@ -684,7 +695,7 @@ class Trainer:
         """n responses per prompt, scored; ``group_index`` numbers the prompts from ``first_group``."""
         for key, seconds in self._wake_rollout().items():
             timer.times[key] = timer.times.get(key, 0.0) + seconds
-        prompts = collate(examples, self.tokenizer.pad_token_id)
+        prompts = collate(examples, self.tokenizer.pad_token_id, self.vision)
         n = self.sampling.n
         with timer("gen"):
             batch: Batch = self._generate(prompts, self.sampling)
@@ -850,7 +861,8 @@ class Trainer:
         phase = self._wake_rollout()  # after a step without an update the engine still sleeps
         records = evaluate(self.val_set.examples, generate=self._generate,
                            score=partial(self.reward.call, "score"), params=params,
-                           batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id)
+                           batch_size=cfg.data.val_batch_size, pad_token_id=self.tokenizer.pad_token_id,
+                           vision=self.vision)
         return {**flatten(summarize(records), prefix="val"), **phase}
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -911,6 +923,7 @@ class Trainer:
         checkpoint.remove_tree(tmp)  # a planted link is removed, never followed
         checkpoint.make_dir(tmp)
         self.actor.call_all(TrainWorker.save_pretrained, str(tmp), self.tokenizer)
+        copy_processor_files(self.model_path, str(tmp))
         if is_private(target.parent):  # the run folder is owner-only: so is the model written into it
             make_tree_private(tmp)
         checkpoint.replace_dir(tmp, target)

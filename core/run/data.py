@@ -250,6 +250,8 @@ class PromptExample:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any]
+    # The row's images as stored (data.image_key; rlx.run.vision), None for a text-only prompt.
+    images: Any = None
 
 
 @dataclass
@@ -264,10 +266,15 @@ class PromptDataset:
 
 def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt_length: int,
                  filter_overlong: bool, source_key: str, tools: list[dict[str, Any]] | None = None,
+                 image_key: str = "images", vision: Any = None,
                  template_kwargs: dict[str, Any] | None = None) -> PromptDataset:
     """Read, validate, apply the chat template, tokenize, and drop (and count) over-long prompts. ``tools``:
     the schemas of the tools an agent may call, given to the chat template (which lists them to the model).
-    ``template_kwargs`` (``data.apply_chat_template_kwargs``): further keyword arguments of the chat template."""
+    ``vision`` (an :class:`rlx.run.vision.VisionPrompts`, for a vision-language model): rows with images in
+    ``image_key`` get them in their prompt (a text-only model refuses such rows). ``template_kwargs``
+    (``data.apply_chat_template_kwargs``): further keyword arguments of the chat template."""
+    from rlx.run.vision import image_count
+
     rows: list[dict[str, Any]] = []
     for ref in refs:
         file_rows = read_rows([ref])
@@ -283,21 +290,33 @@ def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt
     for i, row in enumerate(rows):
         prompt = row[prompt_key]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        images = row.get(image_key) if image_count(row.get(image_key)) else None
+        if images is not None and vision is None:
+            raise UserError(f"{source_key} ({', '.join(refs)}): row {i} holds images ({image_key!r}) and model.path "
+                            "is not a vision-language model.",
+                            "Train a vision-language model (e.g. Qwen2.5-VL) on this data, or point data.image_key "
+                            "at a column that does not exist to leave the images out.")
         try:
             extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            if images is not None:
+                text, ids = vision.encode(messages, images, f"{source_key} ({', '.join(refs)}): row {i}", extra)
+            else:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except UserError:
+            raise
         except Exception as exc:  # a template may reject a conversation (roles must alternate, ...)
             raise UserError(f"{source_key} ({', '.join(refs)}): row {i}: the chat template rejects its "
                             f"{prompt_key!r}: {type(exc).__name__}: {exc}",
                             "Fix the row's messages (the roles this model's template accepts, in its order), "
                             "or drop the row.") from None
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if images is None:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         longest = max(longest, len(ids))
         if len(ids) > max_prompt_length:
             dropped.append(i)
             continue
         examples.append(PromptExample(ids, text, row["data_source"], row["reward_model"]["ground_truth"],
-                                      dict(row.get("extra_info") or {})))
+                                      dict(row.get("extra_info") or {}), images))
     if dropped and not filter_overlong:
         raise UserError(f"{source_key}: {len(dropped)} prompts are longer than data.max_prompt_length="
                         f"{max_prompt_length} tokens (rows {dropped[:10]}...; longest {longest}).",
@@ -361,8 +380,9 @@ class PromptLoader:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
-def collate(examples: list[PromptExample], pad_token_id: int) -> Any:
-    """A :class:`Batch` of left-padded prompts with their per-row reward inputs."""
+def collate(examples: list[PromptExample], pad_token_id: int, vision: Any = None) -> Any:
+    """A :class:`Batch` of left-padded prompts with their per-row reward inputs; with images (``vision``, an
+    :class:`rlx.run.vision.VisionPrompts`) their ``multi_modal_inputs`` and ``multi_modal_data`` columns."""
     import torch
 
     from rlx.batch import Batch
@@ -373,8 +393,8 @@ def collate(examples: list[PromptExample], pad_token_id: int) -> Any:
     for i, e in enumerate(examples):
         ids[i, width - len(e.input_ids):] = torch.tensor(e.input_ids)
         mask[i, width - len(e.input_ids):] = 1
-    return Batch(
-        {"input_ids": ids, "attention_mask": mask},
-        {"prompt_text": [e.text for e in examples], "data_source": [e.data_source for e in examples],
-         "ground_truth": [e.ground_truth for e in examples], "extra_info": [e.extra_info for e in examples]},
-    )
+    columns = {"prompt_text": [e.text for e in examples], "data_source": [e.data_source for e in examples],
+               "ground_truth": [e.ground_truth for e in examples], "extra_info": [e.extra_info for e in examples]}
+    if vision is not None and any(e.images is not None for e in examples):
+        columns.update(vision.batch_columns([e.images for e in examples], "a batch of prompts"))
+    return Batch({"input_ids": ids, "attention_mask": mask}, columns)

@@ -203,13 +203,15 @@ def records_from(scored: Batch, *, first_prompt: int, n: int, threshold: float =
 
 def evaluate(examples: list[PromptExample], *, generate: Callable[[Batch, SamplingParams], Batch],
              score: Callable[[Batch], Batch], params: SamplingParams, batch_size: int, pad_token_id: int,
-             threshold: float = 1.0, progress: Callable[[int, int], None] | None = None) -> list[SampleRecord]:
-    """Generate ``params.n`` responses for every prompt, score them, and return one record per response."""
+             threshold: float = 1.0, progress: Callable[[int, int], None] | None = None,
+             vision: Any = None) -> list[SampleRecord]:
+    """Generate ``params.n`` responses for every prompt, score them, and return one record per response
+    (``vision``: the :class:`rlx.run.vision.VisionPrompts` of prompts with images)."""
     from rlx.run.data import collate
 
     records: list[SampleRecord] = []
     for start in range(0, len(examples), batch_size):
-        prompts = collate(examples[start:start + batch_size], pad_token_id)
+        prompts = collate(examples[start:start + batch_size], pad_token_id, vision)
         out = generate(prompts, params)
         out.update(score(out))
         records.extend(records_from(out, first_prompt=start, n=params.n, threshold=threshold))

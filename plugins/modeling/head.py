@@ -222,6 +222,19 @@ def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: 
             handle.remove()
 
 
+def forward_inputs(batch: Batch, packed: bool, hf: Any) -> tuple[dict[str, Any], torch.Tensor, bool]:
+    """The model's keyword inputs for ``batch``, the positions that predict its response tokens (see
+    :func:`model_inputs`) and whether the rows are packed. Rows with images (``rlx.plugins.modeling.vision``) go
+    padded, with their image tensors and multimodal rotary positions."""
+    from rlx.plugins.modeling import vision
+
+    if vision.has_images(batch):
+        inputs, keep = model_inputs(batch, False)
+        return vision.with_images(inputs, batch, hf, inputs["input_ids"], inputs["attention_mask"]), keep, False
+    inputs, keep = model_inputs(batch, packed)
+    return with_packed_layout(inputs, hf), keep, packed
+
+
 def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, packed: bool = False,
                             hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (b, R) of the response tokens and sum_v pi_v^2 (b, R), the sum over the vocabulary of the squared
@@ -234,8 +247,7 @@ def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, pac
 
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()
-    inputs, keep = model_inputs(batch, packed)
-    inputs = with_packed_layout(inputs, hf)
+    inputs, keep, packed = forward_inputs(batch, packed, hf)
     targets = batch["responses"][mask][None] if packed else batch["responses"]
     keep_kwarg = _accepts(hf, "logits_to_keep")
     if keep_kwarg:
@@ -268,8 +280,7 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
 
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()
-    inputs, keep = model_inputs(batch, packed)
-    inputs = with_packed_layout(inputs, hf)
+    inputs, keep, packed = forward_inputs(batch, packed, hf)
     targets = batch["responses"][mask][None] if packed else batch["responses"]  # (1, n) or (b, R)
     keep_kwarg = _accepts(hf, "logits_to_keep")
     if keep_kwarg:
@@ -308,6 +319,6 @@ def _per_row(values: torch.Tensor, mask: torch.Tensor, packed: bool) -> torch.Te
 def response_values(model: Any, batch: Batch, *, packed: bool = False) -> torch.Tensor:
     """Values (b, R) of a value model; values[:, t] scores the state before response token t.
     Padding is 0."""
-    inputs, keep = model_inputs(batch, packed)
-    values = model(**with_packed_layout(inputs, model), use_cache=False).logits[:, keep].squeeze(-1)
+    inputs, keep, packed = forward_inputs(batch, packed, model)
+    values = model(**inputs, use_cache=False).logits[:, keep].squeeze(-1)
     return _per_row(values, batch["response_mask"].bool(), packed)

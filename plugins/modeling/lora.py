@@ -11,6 +11,7 @@ time by :func:`merged_weights`; the model itself is never merged in place, so tr
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,24 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return any(name == p or name.endswith("." + p) for p in patterns)
 
 
+_REGEX = re.compile(r"[*?\[\]()|^$\\+{}]")
+
+
+def excluded_names(model: Any, patterns: list[str]) -> list[str]:
+    """``model.exclude_modules`` as peft's list: a name or name suffix as it is; an entry with a regular
+    expression's characters (``.*visual.*``, peft's form when given one string) replaced by the full names of the
+    modules it matches whole."""
+    names = [n for n, _ in model.named_modules()]
+    out: list[str] = []
+    for p in patterns:
+        if _REGEX.search(p):
+            rx = re.compile(p)
+            out.extend(n for n in names if n and rx.fullmatch(n))
+        else:
+            out.append(p)
+    return out
+
+
 def linear_modules(model: Any) -> list[str]:
     """Full names of the linear layers that can take an adapter (the output head excluded)."""
     import torch
@@ -89,7 +108,7 @@ def apply(model: Any, lora: LoraSpec, *, value_head: bool, adapter_dtype: torch.
     require_peft()
     from peft import LoraConfig, get_peft_model
 
-    excluded = list(lora.exclude_modules)
+    excluded = excluded_names(model, list(lora.exclude_modules))
     head: list[str] = []
     if value_head:
         head = [name for name, _ in model.named_children() if name in _VALUE_HEADS]

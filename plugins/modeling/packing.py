@@ -25,7 +25,13 @@ def _accepts(model: Any, name: str) -> bool:
 def supports_packing(model: Any) -> bool:
     """Packed rows are kept apart by transformers' attention interface (a block-diagonal mask built from
     restarting position ids, or the varlen kernels of flash-attention); a model on its own attention code
-    (remote code of an older design) would attend across the packed sequences."""
+    (remote code of an older design) would attend across the packed sequences. A vision-language model's rows stay
+    padded: its vision tower's attention would take the packed layout for its own, and its multimodal rotary
+    positions are per padded row (rlx.plugins.modeling.vision)."""
+    from rlx.plugins.modeling.vision import is_vision_config
+
+    if is_vision_config(getattr(model, "config", None)):
+        return False
     return bool(getattr(model, "_supports_attention_backend", False))
 
 

@@ -9,7 +9,8 @@ data_source                                                                     
 ``openai/gsm8k``, ``gsm8k``                                                          ``gsm8k``
 ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``,  ``math``
 ``math``
-``rlx/arith``                                                                        ``arith``
+``rlx/arith``, ``rlx/colors``                                                        ``arith``
+``hiyouga/geometry3k``                                                               ``geo3k``
 ===================================================================================  =========
 
 ``routes`` adds to or overrides the table (a key may be a shell pattern such as ``my_org/*``; a
@@ -46,6 +47,8 @@ DEFAULT_ROUTES: dict[str, str] = {
     "HuggingFaceH4/MATH-500": "math",
     "math": "math",
     "rlx/arith": "arith",
+    "rlx/colors": "arith",
+    "hiyouga/geometry3k": "geo3k",
 }
 
 

@@ -86,13 +86,17 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def decode_dynamic(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampler: Sampler,
-                   max_tokens: int, stop: torch.Tensor, interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_tokens: int, stop: torch.Tensor, interrupt: Any = None, *,
+                   prefill: dict[str, torch.Tensor] | None = None,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``max_tokens`` tokens for left-padded prompts with the model's dynamic cache.
 
     Every row is sampled at every step until all rows have produced a stop token, so the random draws of a
     row do not depend on when the others stop. Returns the raw (b, R) tokens and their (b, R) log-probs; the
     caller cuts each row after its first stop token. Once ``interrupt.is_set()``, decoding stops after the
-    current step (partial rollouts).
+    current step (partial rollouts). ``prefill``: further inputs of the prompt's forward pass (a vision-language
+    model's image tensors); ``positions``: the prompts' position ids when they are not the plain ones (the (3, b, P)
+    multimodal rotary positions), each new token one past its row's last.
     """
     import torch
     from transformers import DynamicCache
@@ -100,10 +104,11 @@ def decode_dynamic(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = DynamicCache(config=model.config)
     cache_kw = cache_argument(model)
     mask = attention_mask.long()
-    positions = prompt_positions(mask)
+    if positions is None:
+        positions = prompt_positions(mask)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **{cache_kw: cache})
-    last_position = positions[:, -1:]
+                logits_to_keep=1, **(prefill or {}), **{cache_kw: cache})
+    last_position = positions[..., -1:]
     tokens, log_probs = [], []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_tokens):

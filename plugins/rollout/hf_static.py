@@ -83,6 +83,10 @@ def supports_static(model: Any) -> str | None:
         return "sliding-window or other non-full attention layers"
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
+    from rlx.plugins.modeling.vision import is_vision_config
+
+    if is_vision_config(config):
+        return "a vision-language model (its prompts' images and multimodal rotary positions)"
     return None
 
 

@@ -216,11 +216,16 @@ class SGLangRollout:
         import torch
 
         from rlx.batch import Batch
+        from rlx.run.vision import engine_prompts, image_token_id
 
         stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
         greedy = params.greedy or params.temperature == 0
         ids = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"])]
-        rows_in = [x for x in ids for _ in range(params.n)]
+        # A vision-language model's rows with images: their images, one image token per image (SGLang repeats it).
+        pairs = [pair for pair in engine_prompts(prompts, ids, image_token_id(self.model_path))
+                 for _ in range(params.n)]
+        rows_in = [x for x, _ in pairs]
+        images = [im for _, im in pairs]
         sampling = []
         for row in range(len(rows_in)):
             sp: dict[str, Any] = {
@@ -230,7 +235,7 @@ class SGLangRollout:
             if params.seed is not None:
                 sp["sampling_seed"] = _row_seed(params.seed, row)
             sampling.append(sp)
-        outputs = self._generate(rows_in, sampling)
+        outputs = self._generate(rows_in, sampling, images if any(im is not None for im in images) else None)
         rows: list[list[int]] = []
         row_log_probs: list[list[float]] = []
         for out in outputs:
@@ -254,12 +259,19 @@ class SGLangRollout:
                       dict(repeated.non_tensors))
         return batch
 
-    def _generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]],
+                  images: list[Any] | None = None) -> list[dict[str, Any]]:
+        extra: dict[str, Any] = {}
+        if images is not None:  # per row: its PIL images, or None
+            if self.server is not None:
+                raise UserError("The sglang engine reached over HTTP (rollout.server_url) takes no images from rlx.",
+                                "Run the sglang engine in process for a vision-language model, or use rollout=vllm.")
+            extra["image_data"] = images
         if self.server is not None:
             out = self.server.request("/generate", {"input_ids": input_ids, "sampling_params": sampling,
                                                     "return_logprob": True})
         else:
-            out = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+            out = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True, **extra)
         return out if isinstance(out, list) else [out]
 
     # -- weights ------------------------------------------------------------------------------------------

@@ -251,6 +251,9 @@ class VLLMRollout:
             kwargs["hf_overrides"] = dict(config_overrides)
         kwargs.update(options.engine_kwargs)
         self.llm = vllm.LLM(model=model_path, **kwargs)
+        from rlx.run.vision import image_token_id
+
+        self.image_token_id = image_token_id(model_path)
         self.options = options
         self.sleep_mode = sleep_mode
         self.eos_token_ids = eos_token_ids
@@ -262,21 +265,26 @@ class VLLMRollout:
         from vllm import SamplingParams as VLLMSamplingParams
 
         from rlx.batch import Batch
+        from rlx.run.vision import engine_prompts
 
         stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
         greedy = params.greedy or params.temperature == 0
         ids = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"])]
+        # A vision-language model's rows with images: their images, and one image token per image (vLLM repeats it).
+        requests = [{"prompt_token_ids": x} if images is None else
+                    {"prompt_token_ids": x, "multi_modal_data": {"image": images}}
+                    for x, images in engine_prompts(prompts, ids, self.image_token_id)]
         # vLLM refuses n > 1 with greedy decoding: each of the n (identical) samples is its own request.
         per_request = 1 if greedy else params.n
         if greedy:
-            ids = [x for x in ids for _ in range(params.n)]
+            requests = [x for x in requests for _ in range(params.n)]
         sampling = [VLLMSamplingParams(
             n=per_request, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_tokens,
             stop_token_ids=stop, ignore_eos=True,  # the stop set is exactly `stop`, as in every rlx engine
             seed=None if params.seed is None else _prompt_seed(params.seed, i, per_request),
-            logprobs=0, detokenize=False) for i in range(len(ids))]
-        outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], sampling, use_tqdm=False)
+            logprobs=0, detokenize=False) for i in range(len(requests))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         rows: list[list[int]] = []
         row_log_probs: list[list[float]] = []
         for out in outputs:

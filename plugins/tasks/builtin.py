@@ -21,6 +21,8 @@ data. Refer to them in a config as ``builtin:NAME``:
 - ``builtin:tools-train`` / ``builtin:tools-test``  the questions of that task, "What is A+B?" with A and B
   in 10-49 and every sum (20-98) equally common (:func:`tools_rows`), scored by the ``arith`` reward on the
   episode's final answer.
+- ``builtin:tiny-qwen2-vl``, ``builtin:colors-train`` / ``builtin:colors-test``  a tiny Qwen2.5-VL and prompts
+  whose answer (a digit) is the colour of their image (:mod:`rlx.plugins.tasks.builtin_vision`).
 
 The warm starts run once, when a model is first written (about 5 s on one core for ``tiny-qwen2``,
 about 30 s for ``tiny-qwen2-tools``), and are cached with the rest; delete the cache folder
@@ -47,7 +49,11 @@ CHAT_TEMPLATE = (
 ALPHABET = list("0123456789+-=?.,:# abcdefghijklmnopqrstuvwxyzWAS\n")
 VOCAB_SIZE = 64
 TOOLS_RESOURCES = ("tiny-qwen2-tools", "tools-train", "tools-test")
-RESOURCES = ("tiny-qwen2", "arith-train", "arith-test", "arith-pref-train", "arith-pref-test", *TOOLS_RESOURCES)
+# The vision task (rlx.plugins.tasks.builtin_vision), in a sub-folder of its own version.
+VISION_RESOURCES = ("tiny-qwen2-vl", "colors-train", "colors-test")
+VISION_VERSION = 1
+RESOURCES = ("tiny-qwen2", "arith-train", "arith-test", "arith-pref-train", "arith-pref-test", *TOOLS_RESOURCES,
+             *VISION_RESOURCES)
 VERSION = 2
 # Initial weights' std: HF's default of 0.02 suits wide models; at width 64 it leaves the attention
 # nearly uniform and its gradients tiny, and learning to read the question's digits stalls for hundreds
@@ -78,11 +84,16 @@ def resolve(ref: str) -> str:
 
         raise UserError(f"Unknown built-in resource {ref!r}.{did_you_mean(name, RESOURCES)} "
                         f"Built-ins: {', '.join(PREFIX + r for r in RESOURCES)}")
-    folder = cache_dir() / f"tools-v{TOOLS_VERSION}" if name in TOOLS_RESOURCES else cache_dir()
+    folder = (cache_dir() / f"tools-v{TOOLS_VERSION}" if name in TOOLS_RESOURCES
+              else cache_dir() / f"vision-v{VISION_VERSION}" if name in VISION_RESOURCES else cache_dir())
     target = folder / (name if name.startswith("tiny-qwen2") else f"{name}.parquet")
     if not target.exists():
+        from rlx.plugins.tasks import builtin_vision
+
         target.parent.mkdir(parents=True, exist_ok=True)
-        writer = (_write_tiny_model if name == "tiny-qwen2"
+        writer = (builtin_vision.write_tiny_vl_model if name == "tiny-qwen2-vl"
+                  else builtin_vision.write_colors if name.startswith("colors-")
+                  else _write_tiny_model if name == "tiny-qwen2"
                   else _write_tools_model if name == "tiny-qwen2-tools"
                   else _write_tools_data if name.startswith("tools-")
                   else _write_arith_pref if name.startswith("arith-pref-") else _write_arith)

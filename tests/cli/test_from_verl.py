@@ -700,7 +700,7 @@ def test_a_megatron_mixture_of_experts_run_trains_on_fsdp2_with_placement_ignore
 
 
 @pytest.mark.parametrize(("key", "value", "words"), [
-    (OTC + "moe_router_dtype", "fp32", "no switch for the router's dtype"),  # Qwen3-MoE's router: model.dtype
+    (OTC + "moe_router_dtype", "fp64", "auto (the model's dtype) or float32"),  # rlx has no float64 router
     (OTC + "moe_z_loss_coeff", 0.001, "z-loss"),
     (OTC + "moe_router_load_balancing_type", "aux_loss", "load-balancing loss"),
     (OTC + "moe_expert_capacity_factor", 1.25, "drops the tokens"),
@@ -714,12 +714,42 @@ def test_megatron_moe_settings_that_change_the_math_are_named(key, value, words)
 
 
 def test_the_router_dtype_is_read_from_a_local_model_folders_config(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
-    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), get_plugin_manager())
+    pm = get_plugin_manager()
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "n_routed_experts": 256}')
+    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), pm)
     assert not t.unmapped and t.settings["backend.name"] == "fsdp2"
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
-    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), get_plugin_manager())
-    assert OTC + "moe_router_dtype" in dict(t.unmapped)
+    assert "float32 too" in dict(t.ignored)[OTC + "moe_router_dtype"] and "model.router_dtype" not in t.settings
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 128}')
+    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), pm)
+    assert not t.unmapped and t.settings["backend.name"] == "fsdp2"
+    assert t.settings["model.router_dtype"] == "float32"
+    assert t.sources["model.router_dtype"] == OTC + "moe_router_dtype"
+    # Qwen3-VL-MoE's experts are counted in its text_config; Qwen3-VL-8B's text_config has none: no router.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl_moe", "text_config": {"num_experts": 128}}')
+    assert translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), pm).settings[
+        "model.router_dtype"] == "float32"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_hidden_layers": 2}')
+    t = translate(_megatron(str(tmp_path), **{OTC + "moe_router_dtype": "fp32"}), pm)
+    assert not t.unmapped and "model.router_dtype" not in t.settings
+    assert "no experts" in dict(t.ignored)[OTC + "moe_router_dtype"]
+
+
+@pytest.mark.parametrize(("model", "router_dtype"), [
+    ("Qwen/Qwen3-30B-A3B-Base", "float32"), ("/models/Qwen3-235B-A22B", "float32"),
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", "float32"), ("Qwen/Qwen1.5-MoE-A2.7B", "float32"),
+    ("mistralai/Mixtral-8x7B-v0.1", "float32"), ("", "float32"),  # no name: it may have experts
+    ("Qwen/Qwen3-8B", None), ("/models/Qwen3-VL-8B-Instruct", None)])
+def test_a_float32_router_is_model_router_dtype_unless_the_model_has_no_experts(model, router_dtype):
+    t = translate(_megatron(model, **{OTC + "moe_router_dtype": "fp32", OTC + "moe_grouped_gemm": True}),
+                  get_plugin_manager())
+    assert not t.unmapped, t.unmapped
+    assert t.settings.get("model.router_dtype") == router_dtype
+    if router_dtype is None:  # a dense model's MoE settings are moot: a text model stays on rlx's megatron backend
+        ignored = dict(t.ignored)
+        assert "no experts" in ignored[OTC + "moe_router_dtype"] and "no experts" in ignored[OTC + "moe_grouped_gemm"]
+        assert t.settings["backend.name"] == ("fsdp2" if "-VL-" in model else "megatron")  # fsdp2 has vision
+    else:
+        assert t.settings["backend.name"] == "fsdp2"
 
 
 def test_routing_replay_stays_refused_on_fsdp2():
@@ -772,20 +802,42 @@ def test_a_reward_model_served_by_verls_reward_loop_is_rlxs_reward_model():
     assert "custom_reward_function.path" in dict(judge.unmapped)
 
 
-@pytest.mark.parametrize("model, files, vision", [
-    ("Qwen/Qwen2.5-VL-7B-Instruct", "~/data/gsm8k/train.parquet", True),
-    ("/models/Qwen3-VL-8B-Instruct", "~/data/math/train.parquet", True),
-    ("zai-org/GLM-4.1V-9B-Thinking", "x.parquet", True),
-    ("openbmb/MiniCPM-o-2_6", "x.parquet", True),
-    ("Qwen/Qwen2.5-3B-Instruct", "~/data/geo3k/train.parquet", True),
+@pytest.mark.parametrize("model, files, refused", [
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "~/data/geo3k/train.parquet", False),  # rlx feeds it the images
+    ("/models/Qwen3-VL-8B-Instruct", "~/data/math/train.parquet", False),
+    ("zai-org/GLM-4.1V-9B-Thinking", "x.parquet", False),
+    ("openbmb/MiniCPM-o-2_6", "x.parquet", True),  # another family: its image tokens are counted otherwise
+    ("llava-hf/llava-1.5-7b-hf", "x.parquet", True),
+    ("Qwen/Qwen2.5-3B-Instruct", "~/data/geo3k/train.parquet", True),  # images for a language model
     ("Qwen/Qwen2.5-7B-Instruct", "~/data/gsm8k/train.parquet", False),
     ("sfairXC/FsfairX-LLaMA3-RM-v0.1", "x.parquet", False),
 ])
-def test_vision_runs_are_named_even_without_image_key(model, files, vision):
+def test_vision_runs_of_the_families_rlx_feeds_translate_and_others_are_named(model, files, refused):
     t = translate({"actor_rollout_ref.model.path": model, "data.train_files": files}, get_plugin_manager())
-    assert ("data.image_key" in dict(t.unmapped)) is vision
-    if vision:
-        assert "vision inputs" in dict(t.unmapped)["data.image_key"]
+    assert ("data.image_key" in dict(t.unmapped)) is refused
+    if refused:
+        assert "vision" in dict(t.unmapped)["data.image_key"]
+
+
+def test_vision_keys_convert_by_meaning_and_a_megatron_vision_run_trains_on_fsdp2():
+    pm = get_plugin_manager()
+    base = {"actor_rollout_ref.model.path": "Qwen/Qwen2.5-VL-7B-Instruct", "data.image_key": "images",
+            "data.return_multi_modal_inputs": True, "actor_rollout_ref.actor.freeze_vision_tower": False,
+            "data.image_patch_size": 14, "data.video_key": None}
+    t = translate(base, pm)
+    assert not t.unmapped
+    assert t.settings["data.image_key"] == "images"
+    ignored = dict(t.ignored)
+    assert {"data.return_multi_modal_inputs", "actor_rollout_ref.actor.freeze_vision_tower",
+            "data.image_patch_size", "data.video_key"} <= set(ignored)
+    for key, value in (("data.video_key", "videos"), ("data.return_multi_modal_inputs", False),
+                       ("actor_rollout_ref.actor.freeze_vision_tower", True)):
+        t = translate({**base, key: value}, pm)
+        assert key in dict(t.unmapped), key
+    megatron = translate({**base, "actor_rollout_ref.actor.strategy": "megatron",
+                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 4}, pm)
+    assert megatron.settings["backend.name"] == "fsdp2" and not megatron.unmapped
+    assert any("vision" in note for note in megatron.notes)
 
 
 def test_machinery_keys_of_verls_scripts_are_ignored_with_a_reason():

@@ -244,15 +244,15 @@ EXPECTED = {
     "grpo_trainer__run_deepseek671b_math_megatron_80gb.sh": "valid",
     "ppo_trainer__run_qwen2-7b_rm.sh": "valid",  # a classifier reward model served by verl's reward loop
     "ppo_trainer__run_qwen2-7b_rm_reward_loop_colocate.sh": "valid",
-    "grpo_trainer__run_qwen2_5_vl-7b-megatron.sh": "data.image_key",  # a VL model on geo3k, image_key unset
+    # a Qwen2.5-VL run on geo3k with the megatron strategy: rlx's fsdp2 backend trains the same HF model
+    "grpo_trainer__run_qwen2_5_vl-7b-megatron.sh": "valid",
     "grpo_trainer__run_qwen2-7b_math_trtllm.sh": "valid",  # TP=${1:-4}, the checkpoint engine's bucket
     "grpo_trainer__run_qwen3_4b_grpo_vllm_1k_npu.sh": "valid",  # a stray '}' in the checkpoint folder's name
     "grpo_trainer__run_qwen2-7b_math_megatron_lora.sh": "actor_rollout_ref.model.lora.rank",
-    "grpo_trainer__run_qwen2_5_vl-7b.sh": "data.image_key",
+    "grpo_trainer__run_qwen2_5_vl-7b.sh": "valid",  # Qwen2.5-VL on geo3k's images (docs/vision.md)
     "sglang_multiturn__run_qwen2.5-3b_gsm8k_multiturn.sh": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
-    # Qwen3-MoE on fsdp2, but megatron's router in float32 (moe_router_dtype=fp32), which the HF router is not
-    "grpo_trainer__run_qwen3moe-30b_megatron_96gb.sh":
-        "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype",
+    # Qwen3-MoE on fsdp2, megatron's router in float32 (moe_router_dtype=fp32): model.router_dtype=float32
+    "grpo_trainer__run_qwen3moe-30b_megatron_96gb.sh": "valid",
     "ppo_trainer__run_deepseek7b_llm_sandbox_fusion.sh": "reward_model.sandbox_fusion.url",
     "grpo_trainer__run_qwen2-7b_seq_balance.sh": "valid",  # multi_turn.format with no multi-turn loop: ignored
     "sglang_multiturn__run_qwen3_4b_dapo_multiturn.sh": "data.custom_cls.path",  # multi-turn, a custom dataset
