@@ -122,7 +122,7 @@ class VisionPrompts:
         if marks != len(images):
             raise UserError(f"{where}: the chat template rendered {marks} image token(s) for {len(images)} image(s).",
                             "Use the model's own chat template (it renders an image part as its image token), or "
-                            "model.chat_template with one that does.")
+                            "model.tokenizer_path with a tokenizer whose template does.")
         grids = self.processor(images=images, return_tensors="np")["image_grid_thw"]
         return text, self.expand(ids, [int(g[0] * g[1] * g[2]) // (self.merge ** 2) for g in grids])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,11 +45,7 @@ def build(options: Geo3kOptions | None, ctx: BuildContext | None) -> Callable[[R
     from rlx.plugins.rewards import math as math_reward
 
     opts = options or Geo3kOptions()
-    check: Any = math_reward.build(math_reward.MathOptions(backend=opts.backend), ctx)
-    del check  # built for its backend check (math-verify installed when asked for)
-    backend = opts.backend if opts.backend != "auto" else (
-        "math_verify" if math_reward.math_verify_available() else "builtin")
-    equivalent = math_reward.math_verify_equivalent if backend == "math_verify" else math_reward.builtin_equivalent
+    equivalent = math_reward.equivalence(opts.backend, "The geo3k reward")
 
     def geo3k_reward(batch: RewardBatch) -> RewardOutput:
         scores, correct, formatted = [], [], []

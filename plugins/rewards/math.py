@@ -188,17 +188,22 @@ def compute_score(response: str, ground_truth: Any, equivalent: Callable[[str, s
     return (opts.correct_score if ok else opts.format_score), True, ok
 
 
-def build(options: MathOptions | None, ctx: BuildContext | None) -> Callable[[RewardBatch], RewardOutput]:
-    opts = options or MathOptions()
-    backend = opts.backend
+def equivalence(backend: str, who: str = "The math reward") -> Callable[[str, str], bool]:
+    """The answer check of ``backend`` (auto: math-verify when installed, else the built-in one)."""
     if backend == "auto":
         backend = "math_verify" if math_verify_available() else "builtin"
     if backend == "math_verify":
         from rlx.errors import require
 
-        require("math_verify", "math", "The math reward with backend=math_verify")
+        require("math_verify", "math", f"{who} with backend=math_verify")
         _quiet_math_verify()
-    equivalent = math_verify_equivalent if backend == "math_verify" else builtin_equivalent
+        return math_verify_equivalent
+    return builtin_equivalent
+
+
+def build(options: MathOptions | None, ctx: BuildContext | None) -> Callable[[RewardBatch], RewardOutput]:
+    opts = options or MathOptions()
+    equivalent = equivalence(opts.backend)
 
     def math_reward(batch: RewardBatch) -> RewardOutput:
         scores, boxed, correct = [], [], []
