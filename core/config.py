@@ -71,6 +71,13 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype of the models. auto: float32 on a CPU, bfloat16 on a GPU. "
         "A trained model keeps float32 master weights on a GPU; on a CPU it trains in this dtype.")
+    router_dtype: Literal["auto", "float32"] = Field(
+        "auto", description="Dtype of the mixture-of-experts routers' gate (megatron-core's moe_router_dtype). "
+        "auto: as the Hugging Face model computes it (Qwen-MoE's, Mixtral's and Qwen3-VL-MoE's in model.dtype; "
+        "DeepSeek-V3's in float32). float32: the gate's input and weight cast to float32 for its matmul, its "
+        "softmax and top-k in float32 (the experts unchanged), in the policy, the reference and the hf rollout "
+        "engine (and a critic built from an MoE model); vLLM and SGLang have no such switch, so their routers "
+        "compute in their dtype. A dense model has no router: nothing changes (a warning says so).")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
     lora_rank: int = Field(0, ge=0, le=MAX_LORA_RANK, description="LoRA through peft (`pip install 'rlx[peft]'`): "

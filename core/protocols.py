@@ -117,6 +117,8 @@ class RoleSpec:
     lora: LoraSpec | None = None  # None: every weight trains (no adapters)
     # model.override_config: attributes set on the Hugging Face config before the model is built
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    # model.router_dtype: auto, or float32 (the mixture-of-experts routers' gate in float32)
+    router_dtype: str = "auto"
 
 
 @runtime_checkable

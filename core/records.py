@@ -84,11 +84,13 @@ class LoraSpec:
 @dataclass(frozen=True)
 class RoleSettings:
     """A role's settings from the config (``rlx.step.role_settings``): its forward options, LoRA and the
-    attributes set on its Hugging Face config (``model.override_config``)."""
+    attributes set on its Hugging Face config (``model.override_config``); the dtype of its mixture-of-experts
+    routers (``model.router_dtype``)."""
 
     forward: ForwardOptions = ForwardOptions()
     lora: LoraSpec | None = None
     config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    router_dtype: str = "auto"
 
 
 def lora_spec(model: Any) -> LoraSpec | None:

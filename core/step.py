@@ -154,7 +154,7 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
             log_prob_max_token_len=c.forward_max_token_len_per_gpu,
             log_prob_max_token_len_option="critic.forward_max_token_len_per_gpu",
             ulysses_sequence_parallel_size=c.ulysses_sequence_parallel_size, use_torch_compile=c.use_torch_compile,
-            model_dtype=c.model_dtype), lora, dict(config.model.override_config))
+            model_dtype=c.model_dtype), lora, dict(config.model.override_config), config.model.router_dtype)
     a = config.actor
     return RoleSettings(ForwardOptions(
         use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
@@ -163,7 +163,7 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
         log_prob_max_token_len=a.log_prob_max_token_len_per_gpu,
         log_prob_max_token_len_option="actor.log_prob_max_token_len_per_gpu",
         ulysses_sequence_parallel_size=a.ulysses_sequence_parallel_size, use_torch_compile=a.use_torch_compile,
-        model_dtype=a.model_dtype), lora, dict(config.model.override_config))
+        model_dtype=a.model_dtype), lora, dict(config.model.override_config), config.model.router_dtype)
 
 
 def loss_context(engine: StepEngine, mini: Batch, context: UpdateContext) -> LossContext:

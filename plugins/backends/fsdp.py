@@ -271,9 +271,12 @@ class FSDPWorker(TorchWorker):
 
     def _prepare(self, model: Any) -> None:
         """Before wrapping: keep what ``save_pretrained`` needs of the plain model (class, config, generation
-        config) and switch on gradient checkpointing."""
+        config), switch on gradient checkpointing and put the routers in ``model.router_dtype``."""
         from transformers import GenerationConfig
 
+        from rlx.plugins.modeling.moe import apply_router_dtype
+
+        apply_router_dtype(model, self.spec.router_dtype, f"the {self.spec.role}'s model")
         self.hf_class, self.hf_config = type(model), model.config
         try:
             self.generation_config: Any = GenerationConfig.from_pretrained(self.spec.model_path)

@@ -109,7 +109,8 @@ def forward_micro_batch_size(spec: RoleSpec) -> int:
 def with_role_settings(spec: RoleSpec, settings: dict[str, RoleSettings]) -> RoleSpec:
     """``spec`` with its role's settings from the config (``rlx.step.role_settings``) under its own: each
     forward option the spec leaves at its default takes the config's value, and a spec without LoRA the
-    config's; so do the Hugging Face config's overrides (``model.override_config``)."""
+    config's; so do the Hugging Face config's overrides (``model.override_config``) and a router dtype left at
+    auto (``model.router_dtype``)."""
     import dataclasses
 
     role = settings.get(spec.role)
@@ -117,7 +118,8 @@ def with_role_settings(spec: RoleSpec, settings: dict[str, RoleSettings]) -> Rol
         return spec
     return dataclasses.replace(spec, forward=spec.forward.over(role.forward),
                                lora=spec.lora if spec.lora is not None else role.lora,
-                               config_overrides=spec.config_overrides or dict(role.config_overrides))
+                               config_overrides=spec.config_overrides or dict(role.config_overrides),
+                               router_dtype=role.router_dtype if spec.router_dtype == "auto" else spec.router_dtype)
 
 
 def hf_config(spec: RoleSpec, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ from rlx.plugins.modeling.model import (
     rng_file,
     trained_dtype,
 )
+from rlx.plugins.modeling.moe import apply_router_dtype
 from rlx.plugins.modeling.packing import supports_packing, use_packed_sdpa
 from rlx.protocols import LossFn, RoleSpec
 from rlx.records import LoraSpec, UpdateContext
@@ -85,6 +86,7 @@ class TorchWorker:
             base = AutoModelForCausalLM.from_pretrained(
                 spec.model_path, config=hf_config(spec), dtype=dtype, trust_remote_code=spec.trust_remote_code,
                 attn_implementation=options.attn_implementation)
+        apply_router_dtype(base, spec.router_dtype, f"the {spec.role}'s model")
         if self.lora is not None:
             from rlx.plugins.modeling import lora
 

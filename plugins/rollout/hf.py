@@ -62,12 +62,13 @@ class HFRolloutOptions(BaseModel):
 class HFRollout:
     def __init__(self, model_path: str, options: HFRolloutOptions, device: str, eos_token_ids: list[int],
                  pad_token_id: int, trust_remote_code: bool = False,
-                 config_overrides: dict[str, Any] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None, router_dtype: str = "auto") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from rlx.config import resolve_dtype
         from rlx.plugins.modeling.model import pick_device
+        from rlx.plugins.modeling.moe import apply_router_dtype
         from rlx.run.models import load_hf_config
 
         self.device = pick_device(device)
@@ -78,6 +79,7 @@ class HFRollout:
             attn_implementation=options.attn_implementation,
         ).to(self.device).eval()
         self.model.requires_grad_(False)
+        apply_router_dtype(self.model, router_dtype, "the hf rollout engine's model")
         # The decode loops read SamplingParams alone: sampling defaults in a model folder's
         # generation_config.json (repetition_penalty, top_k, ...) never apply, so the responses come from
         # the policy the actor trains.
@@ -256,7 +258,7 @@ def build(options: HFRolloutOptions | None, ctx: BuildContext) -> HFRollout:
     eos = tok.eos_token_id
     return HFRollout(resolve_path(cfg.model.path), options or HFRolloutOptions(), cfg.trainer.device,
                      [eos] if isinstance(eos, int) else list(eos), tok.pad_token_id,
-                     cfg.model.trust_remote_code, dict(cfg.model.override_config))
+                     cfg.model.trust_remote_code, dict(cfg.model.override_config), cfg.model.router_dtype)
 
 
 @hookimpl
