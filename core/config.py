@@ -90,7 +90,9 @@ class ModelConfig(_Section):
         "all-linear", description="Modules that get adapters: all-linear (every linear layer but the output "
         "head), or a list of module names or name suffixes (q_proj, v_proj, ...).")
     exclude_modules: list[str] = Field(default_factory=list,
-                                       description="Module names or name suffixes that get no adapter.")
+                                       description="Module names or name suffixes that get no adapter; an "
+                                       "entry with a regular expression's characters matches modules by their full "
+                                       "name (e.g. '.*visual.*': a vision-language model's vision tower).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
     override_config: dict[str, Any] = Field(
         default_factory=dict, description="Attributes of the model's Hugging Face config (config.json) set before "
@@ -142,6 +144,9 @@ class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list, description="Parquet files of training prompts.")
     val_files: list[str] = Field(default_factory=list, description="Parquet files of validation prompts.")
     prompt_key: str = Field("prompt", description="Column holding the chat messages of each prompt.")
+    image_key: str = Field("images", description="Column holding each prompt's images (a vision-language model "
+                           "reads them; `<image>` in the messages marks where each goes): encoded image files or "
+                           "paths. Rows without it are text only.")
     max_prompt_length: int = Field(512, gt=0, le=MAX_TOKENS,
                                    description="Prompts longer than this (in tokens) are dropped.")
     max_response_length: int = Field(512, gt=0, le=MAX_TOKENS, description="Most tokens generated per response.")

@@ -209,9 +209,12 @@ class FSDPWorker(TorchWorker):
             if not self.spec.forward.use_remove_padding:
                 raise UserError(f"{option}={self.sp_size} needs packed sequences, but {padding} is false.",
                                 f"Set {padding}=true, or {option}=1.")
+            from rlx.plugins.modeling.vision import is_vision_config
+
+            why = ("a vision-language model's rows stay padded" if is_vision_config(getattr(hf_model, "config", None))
+                   else "its attention does not go through transformers' attention interface")
             raise UserError(f"{option}={self.sp_size} needs packed sequences, but the {self.spec.role} model cannot "
-                            "pack them (its attention does not go through transformers' attention interface).",
-                            f"Set {option}=1 for this model.")
+                            f"pack them ({why}).", f"Set {option}=1 for this model.")
         use_ulysses_attention(hf_model, self.spec.role)
         # A token budget is per GPU, and a sequence-parallel group of sp GPUs holds sp times as many (verl's
         # rule), so a micro-batch of a group may hold that many.
@@ -246,25 +249,28 @@ class FSDPWorker(TorchWorker):
 
     def _load_full(self) -> Any:
         """The role's Hugging Face model from its folder, on the CPU in the master dtype."""
-        from transformers import AutoModelForCausalLM
+        from rlx.plugins.modeling.vision import causal_lm_class
 
         if self.spec.value_head:
             return load_value_model(self.spec, self.master_dtype, self.options.attn_implementation)
-        return AutoModelForCausalLM.from_pretrained(
-            self.spec.model_path, config=hf_config(self.spec), dtype=self.master_dtype,
+        config = hf_config(self.spec)
+        return causal_lm_class(config).from_pretrained(
+            self.spec.model_path, config=config, dtype=self.master_dtype,
             trust_remote_code=self.spec.trust_remote_code, attn_implementation=self.options.attn_implementation)
 
     def _empty_model(self) -> Any:
         """The role's model built from its config on the meta device (no memory, no initialisation)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import AutoModelForTokenClassification
+
+        from rlx.plugins.modeling.vision import causal_lm_class
 
         spec = self.spec
         kwargs: dict[str, Any] = {"num_labels": 1} if spec.value_head else {}
         config = hf_config(spec, **kwargs)
         if spec.value_head:
             config.classifier_dropout = 0.0
-        cls = AutoModelForTokenClassification if spec.value_head else AutoModelForCausalLM
+        cls = AutoModelForTokenClassification if spec.value_head else causal_lm_class(config)
         with torch.device("meta"):
             return cls.from_config(config, dtype=self.master_dtype, trust_remote_code=spec.trust_remote_code,
                                    attn_implementation=self.options.attn_implementation)

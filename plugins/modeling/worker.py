@@ -59,7 +59,7 @@ class TorchWorker:
     def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
                  world_size: int = 1) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from rlx.plugins.modeling.vision import causal_lm_class
 
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
@@ -83,8 +83,9 @@ class TorchWorker:
         if spec.value_head:
             base = load_value_model(spec, dtype, options.attn_implementation)
         else:
-            base = AutoModelForCausalLM.from_pretrained(
-                spec.model_path, config=hf_config(spec), dtype=dtype, trust_remote_code=spec.trust_remote_code,
+            config = hf_config(spec)
+            base = causal_lm_class(config).from_pretrained(
+                spec.model_path, config=config, dtype=dtype, trust_remote_code=spec.trust_remote_code,
                 attn_implementation=options.attn_implementation)
         apply_router_dtype(base, spec.router_dtype, f"the {spec.role}'s model")
         if self.lora is not None:

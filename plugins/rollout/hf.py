@@ -64,17 +64,18 @@ class HFRollout:
                  pad_token_id: int, trust_remote_code: bool = False,
                  config_overrides: dict[str, Any] | None = None, router_dtype: str = "auto") -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from rlx.config import resolve_dtype
         from rlx.plugins.modeling.model import pick_device
         from rlx.plugins.modeling.moe import apply_router_dtype
+        from rlx.plugins.modeling.vision import causal_lm_class
         from rlx.run.models import load_hf_config
 
         self.device = pick_device(device)
         name = resolve_dtype(options.dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, config=load_hf_config(model_path, trust_remote_code, config_overrides),
+        config = load_hf_config(model_path, trust_remote_code, config_overrides)
+        self.model = causal_lm_class(config).from_pretrained(
+            model_path, config=config,
             dtype=getattr(torch, name), trust_remote_code=trust_remote_code,
             attn_implementation=options.attn_implementation,
         ).to(self.device).eval()
@@ -152,6 +153,7 @@ class HFRollout:
         import torch
 
         from rlx.batch import Batch
+        from rlx.plugins.modeling import vision
         from rlx.plugins.rollout.hf_sampling import Sampler, decode_dynamic
 
         input_ids = batch["input_ids"].to(self.device)  # (b, P), left-padded
@@ -159,7 +161,13 @@ class HFRollout:
         sampler = Sampler.from_params(params)
         stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
         with torch.no_grad():
-            if self.static is not None:
+            if vision.has_images(batch):  # the images' patches at prefill, multimodal rotary positions
+                images = vision.image_tensors(batch, self.device, self.model.dtype)
+                positions = vision.rope_positions(self.model, input_ids, attention_mask, images["image_grid_thw"])
+                responses, log_probs = decode_dynamic(self.model, input_ids, attention_mask, sampler,
+                                                      params.max_tokens, torch.tensor(stop, device=self.device),
+                                                      interrupt=interrupt, prefill=images, positions=positions)
+            elif self.static is not None:
                 responses, log_probs = self.static.generate(input_ids, attention_mask, sampler, params.max_tokens, stop,
                                                             interrupt=interrupt)
             else:
