@@ -658,6 +658,27 @@ def _lora_rank(value: Any, t: Translation) -> None:
     t.set("model.lora_rank", value, MODEL + "lora_rank")
 
 
+def _lora_adapter_path(value: Any, t: Translation) -> None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _Ignored("null: LoRA starts from new adapters")
+    t.set("model.lora_adapter_path", str(value), MODEL + "lora_adapter_path")
+
+
+# The LoRA settings a saved adapter carries: verl reads them from its adapter_config.json (peft's
+# PeftModel.from_pretrained) and ignores the config's, as rlx does for the options left unset.
+ADAPTER_SETTINGS = ("model.lora_rank", "model.lora_alpha", "model.target_modules", "model.exclude_modules")
+
+
+def _adapter_settings(t: Translation) -> None:
+    if "model.lora_adapter_path" not in t.settings:
+        return
+    for key in ADAPTER_SETTINGS:
+        if key in t.settings and t.sources.get(key) != "verl default":
+            t.ignored.append((t.sources.pop(key), "model.lora_adapter_path is set: verl takes the adapter's "
+                              "own setting from its adapter_config.json, as rlx does"))
+            del t.settings[key]
+
+
 def _warmup_steps(value: Any, t: Translation, verl: dict[str, Any]) -> None:
     """verl steps its lr schedule once per training step, rlx once per optimizer step: verl's N warm-up
     steps are N x ppo_epochs x (train_batch_size / ppo_mini_batch_size) of rlx's."""
@@ -809,6 +830,7 @@ SPECIAL: dict[str, Special] = {
     "trainer.total_training_steps": lambda v, t, verl, pm: _total_steps(v, t),
     "trainer.total_epochs": lambda v, t, verl, pm: t.set("trainer.total_epochs", v, "trainer.total_epochs"),
     MODEL + "lora_rank": lambda v, t, verl, pm: _lora_rank(v, t),
+    MODEL + "lora_adapter_path": lambda v, t, verl, pm: _lora_adapter_path(v, t),
     AA + "optim.lr_warmup_steps": lambda v, t, verl, pm: _warmup_steps(v, t, verl),
     AA + "optim.lr_warmup_steps_ratio": lambda v, t, verl, pm: _warmup_ratio(v, t, verl),
     "critic.optim.lr_warmup_steps_ratio": lambda v, t, verl, pm: _warmup_ratio(v, t, verl, "critic"),
@@ -1348,7 +1370,6 @@ MISSING: dict[str, str] = {
     "data.custom_cls.": "a dataset class of verl's (Python code), which rlx never imports from a verl config; "
     "rlx reads verl-shaped parquet rows itself",
     MODEL + "custom_chat_template": "a chat template other than the tokenizer's own, which rlx formats prompts with",
-    MODEL + "lora_adapter_path": "training an existing LoRA adapter further; rlx's LoRA starts from a new adapter",
     MODEL + "torch_dtype": "not a key of verl's model config (verl's Hydra refuses it unless written with a "
     "leading +; the model's dtype is fsdp_config.model_dtype there, model.dtype in rlx)",
     MODEL + "mtp.": "multi-token prediction (MTP) layers trained beside the policy",
@@ -1871,10 +1892,11 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
     _random_sampler(verl, t)
     if t.settings.get("rollout.val_temperature") is None and "rollout.val_temperature" in t.settings:
         del t.settings["rollout.val_temperature"]
-    for key in ("model.lora_rank",):  # set by a converter: report it when this rlx lacks it
+    for key in ("model.lora_rank", "model.lora_adapter_path"):  # set by a converter: report it when this rlx lacks it
         if key in t.settings and not _core_or_option_key_exists(key, t.settings, pm):
             t.unmapped.append((t.sources.pop(key), f"this rlx has no {key}"))
             del t.settings[key]
+    _adapter_settings(t)
     _check_epochs(t)
     _bypass_loss(t)
     _drop_remote_code(t)

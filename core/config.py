@@ -94,6 +94,12 @@ class ModelConfig(_Section):
                                        "entry with a regular expression's characters matches modules by their full "
                                        "name (e.g. '.*visual.*': a vision-language model's vision tower).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    lora_adapter_path: str | None = Field(
+        None, description="A saved peft LoRA adapter folder (adapter_config.json, adapter_model.safetensors) that "
+        "the training starts from instead of new adapters. Read when training starts: its r, lora_alpha, "
+        "target_modules, exclude_modules and lora_dropout fill the model.lora_* options left unset (a "
+        "model.lora_rank or lora_alpha given otherwise is an error). The reference stays the base with the "
+        "adapter switched off; a resumed run takes its weights from its checkpoint. See docs/lora.md.")
     override_config: dict[str, Any] = Field(
         default_factory=dict, description="Attributes of the model's Hugging Face config (config.json) set before "
         "the model is built, e.g. model.override_config.max_position_embeddings=32768; a mapping sets the "
@@ -125,6 +131,11 @@ class ModelConfig(_Section):
     @classmethod
     def _one_or_many_excluded(cls, v: Any) -> Any:
         return _module_names(v, "give a list of module names, e.g. [lm_head]", empty_ok=True)
+
+    @field_validator("lora_adapter_path", mode="before")
+    @classmethod
+    def _no_adapter_when_empty(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
 
 
 def _module_names(v: Any, accepted: str, empty_ok: bool = False) -> list[str]:

@@ -69,6 +69,9 @@ class LoraSpec:
     target_modules: str | tuple[str, ...] = "all-linear"  # all-linear, or module names / name suffixes
     exclude_modules: tuple[str, ...] = ()  # module names / name suffixes that get no adapter
     dropout: float = 0.0  # on the adapters' input while training
+    # A saved peft adapter folder whose weights the adapters start from (model.lora_adapter_path); set by the
+    # trainer on the actor of a run that starts (not one that resumes: its checkpoint holds the weights).
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:  # lists given (as a config holds them) are kept as tuples
         if not isinstance(self.target_modules, str):

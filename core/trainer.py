@@ -134,6 +134,16 @@ class Trainer:
         # First, so that under torchrun the ranks other than 0 go straight to serving rank 0 (they never
         # return from here) and only rank 0 touches the run folder.
         self.launcher = self._build("launcher", cfg.launcher.name, "launcher")
+        # model.lora_adapter_path: the adapter's settings fill the model.lora_* options (rlx.run.lora_adapter);
+        # the actor of a new run starts from its weights.
+        self.start_adapter: str | None = None
+        if cfg.model.lora_adapter_path:
+            resolved, self.start_adapter = self._adapter_settings(resolved)
+            self.resolved, self.cfg = resolved, resolved.config
+            self.config_dict = resolved.as_dict()
+            cfg = self.cfg
+            self.ctx = BuildContext(cfg, RunInfo(str(cfg.run_dir()), cfg.trainer.project, cfg.trainer.experiment,
+                                                 self.config_dict), pm)
         self.algorithm = self._build("algorithm", cfg.algorithm.name, "algorithm")  # checks its options vs rollout.n
         self.needs = needs_of(self.algorithm)  # what the algorithm asks of the trainer, as data
         # A bad model folder is reported before anything is written or loaded.
@@ -235,6 +245,22 @@ class Trainer:
             self._check_async()
 
     # -- set-up -------------------------------------------------------------------------------
+    def _adapter_settings(self, resolved: Resolved) -> tuple[Resolved, str | None]:
+        """The config with ``model.lora_adapter_path``'s LoRA settings and the folder the actor starts from;
+        a resumed run's settings come from its record and its weights from its checkpoint (no folder)."""
+        from rlx.run.lora_adapter import with_adapter_settings
+
+        cfg = resolved.config
+        run_dir = cfg.run_dir()
+        recorded = None
+        if checkpoint.resume_point(run_dir / "checkpoints", run_dir, cfg.trainer.resume) is not None:
+            try:
+                old = yaml.safe_load((run_dir / "config.yaml").read_text())
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                old = None  # said by check_resumable
+            recorded = old.get("model") if isinstance(old, dict) and isinstance(old.get("model"), dict) else {}
+        return with_adapter_settings(resolved, recorded)
+
     def _build(self, kind: str, name: str, options_key: str) -> Any:
         return self.pm.build(kind, name, self.resolved.options.get(options_key), self.ctx)
 
@@ -252,8 +278,9 @@ class Trainer:
             trust_remote_code=cfg.model.trust_remote_code,
             forward=dataclasses.replace(
                 settings.forward, log_prob_micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device),
-            lora=settings.lora, config_overrides=dict(settings.config_overrides),
-            router_dtype=settings.router_dtype,
+            lora=settings.lora if settings.lora is None or role != "actor" or not self.start_adapter
+            else dataclasses.replace(settings.lora, adapter_path=self.start_adapter),
+            config_overrides=dict(settings.config_overrides), router_dtype=settings.router_dtype,
         )
 
     def _critic_spec(self) -> RoleSpec:

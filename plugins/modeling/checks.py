@@ -24,13 +24,17 @@ def config_problems(cfg: Any) -> list[str]:
 
     problems = []
     backend = cfg.backend.name
-    if cfg.model.lora_rank > 0:
+    if cfg.model.lora_rank > 0 or cfg.model.lora_adapter_path:
+        option = (f"model.lora_rank={cfg.model.lora_rank}" if cfg.model.lora_rank > 0
+                  else f"model.lora_adapter_path={cfg.model.lora_adapter_path}")
         if peft_missing():
-            problems.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA needs the peft package, which is not "
-                            f"installed. {INSTALL_HINT}")
+            problems.append(f"{option}: LoRA needs the peft package, which is not installed. {INSTALL_HINT}")
         if backend == "fsdp":
-            problems.append(f"model.lora_rank={cfg.model.lora_rank}: {LORA_FSDP1} Use backend.name=fsdp2 (or "
-                            "torch), or model.lora_rank=0.")
+            problems.append(f"{option}: {LORA_FSDP1} Use backend.name=fsdp2 (or torch), or model.lora_rank=0 "
+                            "and no model.lora_adapter_path.")
+    if cfg.model.lora_adapter_path and backend == "megatron":
+        problems.append(f"model.lora_adapter_path={cfg.model.lora_adapter_path}: the megatron backend has no "
+                        "LoRA; use backend.name=fsdp2 (or torch) to train from a saved adapter.")
     if backend == "fsdp":
         for section in ("actor", "critic"):
             if getattr(cfg, section).use_torch_compile:

@@ -7,6 +7,9 @@ one-output head) are trainable. The reference policy is the same model with the 
 (peft's ``disable_adapter``), so no second copy of the base is loaded. The rollout engine and ``rlx
 export`` get merged weights (base + alpha / rank * B @ A under the base's own names) computed one tensor at a
 time by :func:`merged_weights`; the model itself is never merged in place, so training goes on unchanged.
+A run started from a saved adapter (``model.lora_adapter_path``, ``LoraSpec.adapter_path``) has its adapters
+filled from the adapter's tensors right after they are made (:func:`load_adapter`); the reference is still
+the base without any adapter.
 """
 
 from __future__ import annotations
@@ -130,7 +133,55 @@ def apply(model: Any, lora: LoraSpec, *, value_head: bool, adapter_dtype: torch.
     for name, param in wrapped.named_parameters():
         if is_adapter(name):
             param.data = param.data.to(dtype)
+    if lora.adapter_path and not any(p.is_meta for p in wrapped.parameters()):  # meta: rank 0's reach it later
+        load_adapter(wrapped, lora.adapter_path)
     return wrapped
+
+
+def _peft_key(name: str) -> str:
+    """A parameter's name in a saved peft adapter: rlx's adapter name dropped, peft's prefix kept."""
+    parts = [p for p in name.split(".") if p != ADAPTER]
+    return ".".join(parts)
+
+
+def load_adapter(wrapped: Any, folder: str) -> None:
+    """Start the adapters from a saved peft adapter (``model.lora_adapter_path``): its tensors, under peft's
+    names, copied into the wrapped model's adapters (each in the adapters' own dtype). Every adapter must get a
+    tensor of its shape and every tensor must have an adapter, else a user error naming some."""
+    from pathlib import Path
+
+    import torch
+
+    from rlx.run.lora_adapter import KEY, weights_file
+
+    path = weights_file(Path(folder))
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a broken file, whatever the library says of it
+        raise UserError(f"{KEY}: {path} cannot be read ({type(exc).__name__}: {exc}).",
+                        "Write the adapter again (peft's save_pretrained or `rlx export --adapter-only`).") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{KEY}: {path} holds no tensors by name.", "Write the adapter again.")
+    state = {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}
+    params = {_peft_key(name).removeprefix(_PEFT_PREFIX): p for name, p in wrapped.named_parameters()
+              if is_adapter(name)}
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    wrong = sorted(f"{n} {tuple(state[n].shape)} (the model's {tuple(params[n].shape)})"
+                   for n in set(params) & set(state) if params[n].shape != state[n].shape)
+    if missing or unexpected or wrong:
+        raise UserError(f"{KEY}: the tensors of {path} do not fit this model's adapters: "
+                        + "; ".join(f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}" for what, names in
+                                    (("no tensor for", missing), ("no adapter for", unexpected),
+                                     ("other shapes", wrong)) if names) + ".",
+                        "Start from an adapter trained on model.path, with the target_modules it was saved with.")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.dtype))
 
 
 def base_name(key: str) -> str | None:
