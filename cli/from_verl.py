@@ -1446,9 +1446,9 @@ def _vision_key(key: str, value: Any, t: Translation) -> None:
         raise _Unmapped("false: verl then leaves the image tensors to its agent loop, which rlx's text-only agent "
                         "loops cannot take")
     elif key == AA + "freeze_vision_tower":
-        if value is False:
-            raise _Ignored("false (verl's default): the vision tower trains with the rest, as in rlx")
-        raise _Unmapped("a frozen vision tower: rlx trains every weight of the model")
+        if value not in (True, False):
+            raise _Unmapped(f"{value!r}: verl takes true or false")
+        t.set("actor.freeze_vision_tower", value, key)
     elif key == "data.image_patch_size":
         raise _Ignored("verl resizes images to a multiple of this patch size (times the merge size) before its "
                        "processor does; rlx resizes with the model's own image processor, whose patch size this is")

@@ -228,6 +228,9 @@ class ActorConfig(_Section):
         16, gt=0, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs (no gradients).")
     ppo_epochs: int = Field(1, gt=0, le=MAX_PPO_EPOCHS, description="Passes over each step's rollouts.")
     shuffle: bool = Field(False, description="Shuffle sequences between PPO epochs.")
+    freeze_vision_tower: bool = Field(
+        False, description="A vision-language model's vision tower (its `visual` module, LoRA adapters on it too) "
+        "does not train; the language model does (verl's actor.freeze_vision_tower). docs/vision.md.")
     recompute_old_log_prob: bool | Literal["auto"] = Field(
         "auto", description="The old-log-prob pass before the update. With ppo_epochs=1 and one mini-batch per step "
         "(ppo_mini_batch_size = data.train_batch_size) the update's own forward runs the policy that scored the "

@@ -119,6 +119,8 @@ class RoleSpec:
     config_overrides: dict[str, Any] = field(default_factory=dict)
     # model.router_dtype: auto, or float32 (the mixture-of-experts routers' gate in float32)
     router_dtype: str = "auto"
+    # actor.freeze_vision_tower: a vision-language model's vision tower does not train
+    freeze_vision_tower: bool = False
 
 
 @runtime_checkable

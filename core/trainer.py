@@ -281,6 +281,7 @@ class Trainer:
             lora=settings.lora if settings.lora is None or role != "actor" or not self.start_adapter
             else dataclasses.replace(settings.lora, adapter_path=self.start_adapter),
             config_overrides=dict(settings.config_overrides), router_dtype=settings.router_dtype,
+            freeze_vision_tower=trainable and role == "actor" and cfg.actor.freeze_vision_tower,
         )
 
     def _critic_spec(self) -> RoleSpec:

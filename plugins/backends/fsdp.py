@@ -292,6 +292,13 @@ class FSDPWorker(TorchWorker):
             # non-reentrant checkpointing: the re-entrant form does not work with FSDP's hooks
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    def _freeze(self, model: Any) -> None:
+        """actor.freeze_vision_tower: the vision tower's parameters (and adapters) do not train."""
+        if self.spec.freeze_vision_tower:
+            from rlx.plugins.modeling.vision import freeze_vision_tower
+
+            freeze_vision_tower(model, f"the {self.spec.role}'s model")
+
     def _wrap(self, model: Any) -> Any:
         """The Hugging Face model with fresh LoRA adapters (frozen base) when LoRA is on, else itself."""
         if self.lora is None:
@@ -335,6 +342,7 @@ class FSDPWorker(TorchWorker):
         self._prepare(model)
         with torch.device("meta"):  # the adapters too: rank 0's initial values reach every rank below
             model = self._wrap(model)
+        self._freeze(model)
         full = self._wrap(self._load_full()) if self.rank == 0 else None
         mp = MixedPrecisionPolicy()
         if self.spec.trainable and self.compute_dtype != torch.float32:
@@ -379,6 +387,7 @@ class FSDPWorker(TorchWorker):
 
         model = self._load_full()
         self._prepare(model)
+        self._freeze(model)
         mp = None
         if self.spec.trainable and self.compute_dtype != torch.float32:
             mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,

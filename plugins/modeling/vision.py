@@ -44,6 +44,28 @@ def load_causal_lm(path: str, *, config: Any = None, trust_remote_code: bool = F
                                                    **kwargs)
 
 
+# Where the Hugging Face vision-language classes keep their vision tower (Qwen2-VL family, GLM-4.1V: ``visual``).
+TOWERS = ("visual", "vision_tower", "vision_model")
+
+
+def freeze_vision_tower(model: Any, where: str) -> int:
+    """Stop every parameter of ``model``'s vision tower (its LoRA adapters too) from training; the number of
+    parameters frozen. A model without a vision tower is a user error naming ``where``."""
+    from rlx.errors import UserError
+
+    frozen = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in TOWERS:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.requires_grad_(False)
+                    frozen += p.numel()
+    if not frozen and not any(n.rpartition(".")[2] in TOWERS for n, _ in model.named_modules()):
+        raise UserError(f"actor.freeze_vision_tower=true, and {where} ({type(model).__name__}) has no vision tower.",
+                        "Set actor.freeze_vision_tower=false for a language model.")
+    return frozen
+
+
 def has_images(batch: Batch) -> bool:
     column = batch.non_tensors.get(COLUMN)
     return column is not None and any(entry is not None for entry in column)

@@ -59,7 +59,8 @@ class TorchWorker:
     def __init__(self, spec: RoleSpec, options: TorchBackendOptions, device: str = "auto", rank: int = 0,
                  world_size: int = 1) -> None:
         import torch
-        from rlx.plugins.modeling.vision import causal_lm_class
+
+        from rlx.plugins.modeling.vision import causal_lm_class, freeze_vision_tower
 
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
@@ -92,6 +93,8 @@ class TorchWorker:
             from rlx.plugins.modeling import lora
 
             base = lora.apply(base, self.lora, value_head=spec.value_head, adapter_dtype=master)
+        if spec.freeze_vision_tower:
+            freeze_vision_tower(base, f"the {spec.role}'s model")
         self.model = base.to(self.device)
         self.autocast = (spec.trainable and self.device != "cpu" and master == torch.float32
                          and self.compute_dtype != torch.float32)

@@ -828,12 +828,13 @@ def test_vision_keys_convert_by_meaning_and_a_megatron_vision_run_trains_on_fsdp
     assert not t.unmapped
     assert t.settings["data.image_key"] == "images"
     ignored = dict(t.ignored)
-    assert {"data.return_multi_modal_inputs", "actor_rollout_ref.actor.freeze_vision_tower",
-            "data.image_patch_size", "data.video_key"} <= set(ignored)
-    for key, value in (("data.video_key", "videos"), ("data.return_multi_modal_inputs", False),
-                       ("actor_rollout_ref.actor.freeze_vision_tower", True)):
+    assert {"data.return_multi_modal_inputs", "data.image_patch_size", "data.video_key"} <= set(ignored)
+    assert t.settings["actor.freeze_vision_tower"] is False
+    for key, value in (("data.video_key", "videos"), ("data.return_multi_modal_inputs", False)):
         t = translate({**base, key: value}, pm)
         assert key in dict(t.unmapped), key
+    frozen = translate({**base, "actor_rollout_ref.actor.freeze_vision_tower": True}, pm)
+    assert not frozen.unmapped and frozen.settings["actor.freeze_vision_tower"] is True
     megatron = translate({**base, "actor_rollout_ref.actor.strategy": "megatron",
                           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 4}, pm)
     assert megatron.settings["backend.name"] == "fsdp2" and not megatron.unmapped

@@ -218,15 +218,17 @@ def _model_images(row: Batch, model) -> dict:
 
 # -- rlx train -------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "fsdp2"])
-def test_rlx_train_on_images_updates_the_vision_tower(backend: str, tmp_path: Path, vl_path: str):
+@pytest.mark.parametrize("backend, freeze", [("torch", False), ("fsdp2", True)])
+def test_rlx_train_on_images_trains_the_vision_tower_unless_frozen(backend: str, freeze: bool, tmp_path: Path,
+                                                                   vl_path: str):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--backend", backend,
            "--model", "builtin:tiny-qwen2-vl", "data.train_files=builtin:colors-train",
            "data.val_files=builtin:colors-test", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-           "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2", f"trainer.output_dir={out}"]
+           "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2", f"trainer.output_dir={out}",
+           f"actor.freeze_vision_tower={str(freeze).lower()}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -238,4 +240,9 @@ def test_rlx_train_on_images_updates_the_vision_tower(backend: str, tmp_path: Pa
     after = load_file(str(exported / "model.safetensors"))
     tower = [k for k in before if "visual" in k and k.endswith("weight")]
     assert tower and set(tower) <= set(after)
-    assert any(not torch.equal(before[k], after[k]) for k in tower), "the vision tower did not train"
+    language = [k for k in before if "visual" not in k and k.endswith("weight")]
+    assert any(not torch.equal(before[k], after[k]) for k in language), "the language model did not train"
+    if freeze:
+        assert all(torch.equal(before[k], after[k]) for k in tower), "a frozen vision tower changed"
+    else:
+        assert any(not torch.equal(before[k], after[k]) for k in tower), "the vision tower did not train"
