@@ -68,8 +68,9 @@ def save_rollouts(path: Path, rollouts: Rollouts) -> None:
 
 
 def _plain(value: Any) -> bool:
-    """Whether ``value`` is made of numbers, strings, None, lists, tuples and dicts only."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """Whether ``value`` is made of numbers, strings, bytes, tensors (a prompt's image tensors), None, lists, tuples
+    and dicts only."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
         return True
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)

@@ -395,6 +395,6 @@ def collate(examples: list[PromptExample], pad_token_id: int, vision: Any = None
         mask[i, width - len(e.input_ids):] = 1
     columns = {"prompt_text": [e.text for e in examples], "data_source": [e.data_source for e in examples],
                "ground_truth": [e.ground_truth for e in examples], "extra_info": [e.extra_info for e in examples]}
-    if vision is not None and any(e.images is not None for e in examples):
+    if vision is not None:  # every batch of such a run has the columns (None for a text row): batches concatenate
         columns.update(vision.batch_columns([e.images for e in examples], "a batch of prompts"))
     return Batch({"input_ids": ids, "attention_mask": mask}, columns)

@@ -12,7 +12,8 @@ memory.
 
 The batch then carries two per-row columns: ``multi_modal_inputs`` (``pixel_values`` and ``image_grid_thw``, what
 the model's forward takes; ``rlx.plugins.modeling.vision``) and ``multi_modal_data`` (``{"image": [PIL images]}``,
-what vLLM and SGLang take with the prompt's tokens before the image tokens are repeated).
+what vLLM and SGLang take, decoded, with the prompt's tokens before the image tokens are repeated; the entries as
+stored, so that rollouts saved with a checkpoint stay plain data).
 """
 
 from __future__ import annotations
@@ -144,10 +145,10 @@ class VisionPrompts:
                 inputs.append(None)
                 data.append(None)
                 continue
-            images = [open_image(e, where) for e in (entries if isinstance(entries, (list, tuple)) else [entries])]
-            out = self.processor(images=images, return_tensors="pt")
+            stored = list(entries) if isinstance(entries, (list, tuple)) else [entries]
+            out = self.processor(images=[open_image(e, where) for e in stored], return_tensors="pt")
             inputs.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
-            data.append({"image": images})
+            data.append({"image": stored})  # as stored (bytes or paths): plain data a checkpoint can hold
         return {"multi_modal_inputs": inputs, "multi_modal_data": data}
 
 
@@ -174,9 +175,9 @@ def image_token_id(model_path: str) -> int | None:
 
 
 def engine_prompts(prompts: Any, ids: list[list[int]], token: int | None) -> list[Any]:
-    """Per prompt row, the images an inference server takes with the row's tokens (``multi_modal_data``) and the
-    tokens with each image's run of image tokens as one (the server repeats it itself): ``(ids, images)``, images
-    None for a text-only row."""
+    """Per prompt row, the images an inference server takes with the row's tokens (``multi_modal_data``, decoded to
+    PIL images) and the tokens with each image's run of image tokens as one (the server repeats it itself):
+    ``(ids, images)``, images None for a text-only row."""
     column = prompts.non_tensors.get("multi_modal_data")
     out = []
     for k, row in enumerate(ids):
@@ -185,7 +186,7 @@ def engine_prompts(prompts: Any, ids: list[list[int]], token: int | None) -> lis
             out.append((row, None))
             continue
         collapsed = [t for j, t in enumerate(row) if not (t == token and j and row[j - 1] == token)]
-        out.append((collapsed, list(data["image"])))
+        out.append((collapsed, [open_image(e, f"prompt {k}'s images") for e in data["image"]]))
     return out
 
 

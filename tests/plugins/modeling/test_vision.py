@@ -95,9 +95,9 @@ def test_each_image_token_is_repeated_once_per_merged_patch(vision):
     plain = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(plain) + expected - 1
     # inference servers take the unexpanded prompt and the images
-    batch = Batch({"input_ids": torch.tensor([ids])}, {"multi_modal_data": [{"image": ["IMG"]}]})
+    batch = Batch({"input_ids": torch.tensor([ids])}, {"multi_modal_data": [{"image": [{"bytes": png((0, 0, 255))}]}]})
     (short, images), = engine_prompts(batch, [ids], vis.image_token_id)
-    assert short == plain and images == ["IMG"]
+    assert short == plain and images[0].mode == "RGB" and images[0].getpixel((0, 0)) == (0, 0, 255)
 
 
 def test_data_with_images_loads_collates_and_names_bad_rows(vision, tmp_path: Path, tiny_model_path: str):
@@ -113,7 +113,7 @@ def test_data_with_images_loads_collates_and_names_bad_rows(vision, tmp_path: Pa
     # 56 x 84 pixels, over the processor's 56 x 56 budget: scaled to 28 x 56, 2 x 4 patches of 14
     assert inputs[0]["image_grid_thw"].tolist() == [[1, 4, 2]]
     assert inputs[0]["pixel_values"].shape == (8, 3 * 2 * 14 * 14)
-    assert raw[0]["image"][0].mode == "RGB"
+    assert raw[0]["image"][0] == {"bytes": png((255, 0, 0))}  # as stored: plain data for checkpoints
 
     missing = write_rows(tmp_path / "missing.parquet", [row("Which digit?", [{"bytes": png((1, 2, 3))}])])
     with pytest.raises(UserError, match=r"row 0: the prompt marks 0 image\(s\)"):
@@ -127,6 +127,21 @@ def test_data_with_images_loads_collates_and_names_bad_rows(vision, tmp_path: Pa
     with pytest.raises(UserError, match=r"row 0 holds images .* not a vision-language model"):
         load_prompts([good], text_tok, prompt_key="prompt", max_prompt_length=64, filter_overlong=False,
                      source_key="data.train_files", vision=vision_prompts(tiny_model_path, text_tok))
+
+
+def test_rollouts_with_images_are_plain_data_a_checkpoint_holds(vision, colors_test: str, tmp_path: Path):
+    from rlx.overlap import Rollouts
+    from rlx.trainer import load_rollouts, save_rollouts
+
+    tok, vis = vision
+    data = load_prompts([colors_test], tok, prompt_key="prompt", max_prompt_length=64, filter_overlong=False,
+                        source_key="x", vision=vis)
+    batch = collate(data.examples[:3], tok.pad_token_id, vis)
+    save_rollouts(tmp_path / "rollouts.pt", Rollouts(batch, {}, {}, 1))
+    back = load_rollouts(tmp_path / "rollouts.pt").batch
+    assert back["multi_modal_data"] == batch["multi_modal_data"]
+    torch.testing.assert_close(back["multi_modal_inputs"][2]["pixel_values"],
+                               batch["multi_modal_inputs"][2]["pixel_values"])
 
 
 # -- the forward passes --------------------------------------------------------------------------
