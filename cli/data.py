@@ -148,6 +148,9 @@ def _preference_problems(rows: list[Any], prompt_key: str, chosen_key: str, reje
 def validate(
     files: Annotated[list[str], typer.Argument(help="Parquet files to check (preference pairs also JSONL/JSON).")],
     prompt_key: Annotated[str, typer.Option("--prompt-key", help="Column of the chat messages.")] = "prompt",
+    image_key: Annotated[str, typer.Option("--image-key", help="Column of each prompt's images (vision-language "
+                                                               "models): <image> markers and images must agree, "
+                                                               "every image must decode.")] = "images",
     chosen_key: Annotated[str, typer.Option("--chosen-key", help="Preference pairs: the preferred reply.")]
     = "chosen",
     rejected_key: Annotated[str, typer.Option("--rejected-key", help="Preference pairs: the other reply.")]
@@ -168,6 +171,7 @@ def validate(
     counted too (not an error: rlx rm train drops them and says how many)."""
     from rlx.plugins.tasks.datasets import is_preference_file, preference_column_problems
     from rlx.run.data import column_problems, row_problems
+    from rlx.run.vision import image_problems
 
     if (tokenizer is None) != (max_length is None):
         raise UserError("--tokenizer and --max-length go together: the tokenizer measures each pair's length.")
@@ -192,7 +196,8 @@ def validate(
         else:
             missing = column_problems(rows, file, prompt_key)
             if not missing:
-                bad = [(i, p) for i, row in enumerate(rows) for p in [row_problems(row, prompt_key)] if p]
+                bad = [(i, p) for i, row in enumerate(rows)
+                       for p in [row_problems(row, prompt_key) + image_problems(row, prompt_key, image_key)] if p]
         rows_total += len(rows)
         bad_total += len(bad)
         for line in missing:

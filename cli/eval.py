@@ -134,9 +134,12 @@ def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) 
     tok = load_tokenizer(resolve_path(m.tokenizer_path or m.path), m.trust_remote_code,
                          key="model.tokenizer_path" if m.tokenizer_path else "model.path")
     d = cfg.data
+    from rlx.run.vision import vision_prompts
+
+    vision = vision_prompts(resolve_path(m.path), tok, m.trust_remote_code)  # a vision-language model's images
     dataset = load_prompts(d.val_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                            filter_overlong=d.filter_overlong_prompts, source_key="--data",
-                           template_kwargs=d.apply_chat_template_kwargs)
+                           template_kwargs=d.apply_chat_template_kwargs, image_key=d.image_key, vision=vision)
     ctx = BuildContext(cfg, RunInfo("", cfg.trainer.project, "eval", resolved.as_dict()), pm, tok)
     rollout = pm.get("rollout", cfg.rollout.name).load_factory()(resolved.options.get("rollout"), ctx)
     reward_fn = pm.get("reward", cfg.reward.name).load_factory()(resolved.options.get("reward"), ctx)
@@ -151,7 +154,7 @@ def run_eval(resolved: Any, pm: Any, *, ks: list[int] | None, threshold: float) 
     try:
         records = evaluate(dataset.examples, generate=rollout.generate, score=worker.score, params=params,
                            batch_size=d.val_batch_size, pad_token_id=tok.pad_token_id, threshold=threshold,
-                           progress=progress)
+                           progress=progress, vision=vision)
     finally:
         close = getattr(rollout, "close", None)
         if close is not None:

@@ -1008,7 +1008,7 @@ def _megatron_needs(verl: dict[str, Any]) -> list[str]:
     if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
         needs.append(MODEL + "lora.rank")
     if _vision_supported(str(verl.get(MODEL + "path", ""))):
-        needs.append(MODEL + "path (a vision-language model)")
+        needs.append(f"the vision-language model {verl.get(MODEL + 'path')}")
     return needs
 
 
@@ -1135,6 +1135,12 @@ def _backend(verl: dict[str, Any], t: Translation) -> None:
             AA + "ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")):
         t.set("backend.name", "fsdp2", AA + "strategy")  # fsdp2 also has LoRA, which FSDP1 cannot hold
         t.notes.append(f"{AA}ulysses_sequence_parallel_size > 1: rlx's fsdp2 backend, which has Ulysses")
+    elif isinstance(t.settings.get("launcher.nproc"), int) and t.settings["launcher.nproc"] > 1:
+        # NOTE: verl's fsdp strategies shard the weights, gradients and optimizer states over the GPUs; rlx's
+        # default torch backend would hold a whole copy on each. fsdp2 is the same math, sharded as verl's.
+        t.set("backend.name", "fsdp2", AA + "strategy")
+        t.notes.append(f"{AA}strategy={strategy} over {t.settings['launcher.nproc']} GPUs: rlx's fsdp2 backend, "
+                       "which shards the model over them as verl's FSDP does (the torch backend would replicate it)")
     for key, value in verl.items():
         rest = key.removeprefix(MEGATRON)
         if rest == key:
@@ -1383,8 +1389,8 @@ MISSING: dict[str, str] = {
     "replayed in training)",
 }
 
-VISION = ("vision inputs of a kind rlx lacks: rlx feeds the images of a row (data.image_key) to the vision-language "
-          "models of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and GLM-4.1V, not videos")
+VISION = ("vision inputs of a kind rlx lacks: rlx feeds a row's images (data.image_key, no videos) to the "
+          "vision-language models of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and GLM-4.1V")
 VISION_KEYS = ("data.image_key", "data.video_key", "data.return_multi_modal_inputs", AA + "freeze_vision_tower",
                "data.image_patch_size")
 # Model folders of vision-language models (Qwen2.5-VL, Qwen3-VL, GLM-4.1V, MiniCPM-o/V, LLaVA, InternVL) and
@@ -1422,7 +1428,7 @@ def _vision(verl: dict[str, Any], t: Translation) -> None:
     model = str(verl.get(MODEL + "path", ""))
     supported = _vision_supported(model)
     if supported is False:
-        t.unmapped.append(("data.image_key", f"{VISION} (the model {model})"))
+        t.unmapped.append(("data.image_key", f"{VISION}, and {model} is not one of them"))
     elif supported is None and "geo3k" in " ".join(str(verl.get(k, "")) for k in ("data.train_files",
                                                                                    "data.val_files")).lower():
         t.unmapped.append(("data.image_key", f"{VISION}: verl's geo3k data holds images, and the model {model} "
@@ -1898,9 +1904,21 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
             del t.settings[key]
     _adapter_settings(t)
     _check_epochs(t)
+    _validation_before_training(t)
     _bypass_loss(t)
     _drop_remote_code(t)
     return t
+
+
+def _validation_before_training(t: Translation) -> None:
+    """verl validates once before training whenever val_before_train is on (its default), whatever test_freq says;
+    rlx's test_freq of -1 or 0 turns every validation off, that one included: say so."""
+    freq = t.settings.get("trainer.test_freq")
+    if t.settings.get("trainer.val_before_train") and isinstance(freq, int) and freq <= 0 \
+            and t.settings.get("data.val_files"):
+        t.notes.append(f"trainer.test_freq={freq} with trainer.val_before_train=True: verl still validates once "
+                       "before training, rlx then validates never; give trainer.test_freq=N (every N steps) to have "
+                       "the validation before training too")
 
 
 def _drop_remote_code(t: Translation) -> None:

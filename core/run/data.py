@@ -292,9 +292,9 @@ def load_prompts(refs: list[str], tokenizer: Any, *, prompt_key: str, max_prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         images = row.get(image_key) if image_count(row.get(image_key)) else None
         if images is not None and vision is None:
-            raise UserError(f"{source_key} ({', '.join(refs)}): row {i} holds images ({image_key!r}) and model.path "
-                            "is not a vision-language model.",
-                            "Train a vision-language model (e.g. Qwen2.5-VL) on this data, or point data.image_key "
+            raise UserError(f"{source_key} ({', '.join(refs)}): row {i} holds images (its {image_key!r} column) and "
+                            "the model is not a vision-language model.",
+                            "Use a vision-language model (e.g. Qwen2.5-VL) with this data, or point data.image_key "
                             "at a column that does not exist to leave the images out.")
         try:
             extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}

@@ -63,11 +63,13 @@ def content_parts(messages: list[dict[str, Any]], images: int, where: str) -> li
     return out
 
 
-def open_image(entry: Any, where: str) -> Any:
-    """A PIL image in RGB from one entry of a row's images: ``{"bytes": ...}`` / ``{"path": ...}``, bytes, or a
-    path. A file that is not an image is a user error naming the row."""
+def open_image(entry: Any, where: str, index: int = 0) -> Any:
+    """A PIL image in RGB from one entry of a row's images (the ``index``-th): ``{"bytes": ...}`` /
+    ``{"path": ...}``, bytes, or a path. A file that is not an image is a user error naming the row and image."""
     from PIL import Image, UnidentifiedImageError
 
+    what = f"image {index + 1} of the row"
+    at = f"{where}: " if where else ""
     source: Any = entry
     if isinstance(entry, dict):
         source = entry.get("bytes") or entry.get("path") or entry.get("image")
@@ -77,14 +79,17 @@ def open_image(entry: Any, where: str) -> Any:
         elif isinstance(source, str) and source:
             image = Image.open(os.path.expanduser(source))
         else:
-            raise UserError(f"{where}: an image entry is {type(entry).__name__} {str(entry)[:80]!r}, not image bytes "
+            raise UserError(f"{at}an image entry is {type(entry).__name__} {str(entry)[:80]!r}, not image bytes "
                             "or a path.",
                             'Store each image as {"bytes": <the encoded file>} (a datasets Image column) or as a '
                             "local path.")
         image.load()
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise UserError(f"{where}: an image cannot be read: {type(exc).__name__}: {exc}",
-                        "Check the row's images: encoded PNG/JPEG bytes or paths to image files.") from None
+    except UnidentifiedImageError:
+        raise UserError(f"{at}{what} is not an image file Pillow can read (PNG, JPEG, WebP, ...).",
+                        "Check the row's images: encoded image files or paths to them.") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{at}{what} cannot be read: {type(exc).__name__}: {exc}",
+                        "Check the row's images: encoded image files or paths to them.") from None
     return image.convert("RGB")
 
 
@@ -114,7 +119,8 @@ class VisionPrompts:
     def encode(self, messages: list[dict[str, Any]], entries: Any, where: str,
                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """The rendered prompt text and its token ids, with each image's token repeated once per merged patch."""
-        images = [open_image(e, where) for e in (entries if isinstance(entries, (list, tuple)) else [entries])]
+        stored = entries if isinstance(entries, (list, tuple)) else [entries]
+        images = [open_image(e, where, k) for k, e in enumerate(stored)]
         parts = content_parts(messages, len(images), where)
         text = self.tokenizer.apply_chat_template(parts, add_generation_prompt=True, tokenize=False,
                                                   **(template_kwargs or {}))
@@ -146,7 +152,7 @@ class VisionPrompts:
                 data.append(None)
                 continue
             stored = list(entries) if isinstance(entries, (list, tuple)) else [entries]
-            out = self.processor(images=[open_image(e, where) for e in stored], return_tensors="pt")
+            out = self.processor(images=[open_image(e, where, k) for k, e in enumerate(stored)], return_tensors="pt")
             inputs.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
             data.append({"image": stored})  # as stored (bytes or paths): plain data a checkpoint can hold
         return {"multi_modal_inputs": inputs, "multi_modal_data": data}
@@ -186,7 +192,7 @@ def engine_prompts(prompts: Any, ids: list[list[int]], token: int | None) -> lis
             out.append((row, None))
             continue
         collapsed = [t for j, t in enumerate(row) if not (t == token and j and row[j - 1] == token)]
-        out.append((collapsed, [open_image(e, f"prompt {k}'s images") for e in data["image"]]))
+        out.append((collapsed, [open_image(e, f"prompt {k}", j) for j, e in enumerate(data["image"])]))
     return out
 
 
@@ -206,3 +212,25 @@ def copy_processor_files(source: str, target: str) -> None:
         path = os.path.join(source, name)
         if os.path.isfile(path) and not os.path.exists(os.path.join(target, name)):
             shutil.copyfile(path, os.path.join(target, name))
+
+
+def image_problems(row: Any, prompt_key: str = "prompt", image_key: str = "images") -> list[str]:
+    """Why a prompt row's images cannot be used (``rlx data validate``): a count of ``<image>`` markers other than
+    the row's images, or an image that does not decode; empty for a row without images or a fine one."""
+    if not isinstance(row, dict) or not image_count(row.get(image_key)):
+        return []
+    entries = row[image_key] if isinstance(row[image_key], (list, tuple)) else [row[image_key]]
+    prompt = row.get(prompt_key)
+    texts = [prompt] if isinstance(prompt, str) else [
+        m.get("content") for m in prompt or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    problems = []
+    marks = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
+    if marks != len(entries):
+        problems.append(f"the prompt marks {marks} image(s) with {IMAGE_PLACEHOLDER!r} and {image_key!r} holds "
+                        f"{len(entries)}")
+    for k, entry in enumerate(entries):
+        try:
+            open_image(entry, "", k)
+        except UserError as exc:
+            problems.append(exc.message.rstrip("."))
+    return problems

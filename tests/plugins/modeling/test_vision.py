@@ -78,7 +78,7 @@ def test_image_entries_in_every_stored_form_and_a_bad_one(tmp_path: Path):
             tmp_path / "a.png")}):
         image = open_image(entry, "row 0")
         assert image.size == (56, 84) and image.mode == "RGB"
-    with pytest.raises(UserError, match="row 7: an image cannot be read"):
+    with pytest.raises(UserError, match="row 7: image 1 of the row is not an image file"):
         open_image({"bytes": b"not an image"}, "row 7")
     with pytest.raises(UserError, match="not image bytes or a path"):
         open_image(12, "row 7")
@@ -120,7 +120,7 @@ def test_data_with_images_loads_collates_and_names_bad_rows(vision, tmp_path: Pa
         load_prompts([missing], tok, prompt_key="prompt", max_prompt_length=64, filter_overlong=False,
                      source_key="data.train_files", vision=vis)
     broken = write_rows(tmp_path / "broken.parquet", [row("<image>x", [{"bytes": b"\x89PNG broken"}])])
-    with pytest.raises(UserError, match="row 0: an image cannot be read"):
+    with pytest.raises(UserError, match="row 0: image 1 of the row is not an image file"):
         load_prompts([broken], tok, prompt_key="prompt", max_prompt_length=64, filter_overlong=False,
                      source_key="data.train_files", vision=vis)
     text_tok = load_tokenizer(tiny_model_path, False)
@@ -261,3 +261,26 @@ def test_rlx_train_on_images_trains_the_vision_tower_unless_frozen(backend: str,
         assert all(torch.equal(before[k], after[k]) for k in tower), "a frozen vision tower changed"
     else:
         assert any(not torch.equal(before[k], after[k]) for k in tower), "the vision tower did not train"
+
+
+def test_data_validate_names_rows_whose_images_do_not_fit(tmp_path: Path):
+    path = write_rows(tmp_path / "rows.parquet", [row("<image>ok", [{"bytes": png((1, 2, 3))}]),
+                                                  row("no marker", [{"bytes": png((1, 2, 3))}]),
+                                                  row("<image>bad", [{"bytes": b"junk"}])])
+    done = subprocess.run([sys.executable, "-m", "rlx", "data", "validate", path], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "row 1: the prompt marks 0 image(s)" in done.stdout
+    assert "row 2: image 1 of the row is not an image file" in done.stdout
+    assert "row 0" not in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_rlx_eval_scores_a_vision_language_model_on_images(tmp_path: Path, vl_path: str):
+    out = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "rlx", "eval", "--model", "builtin:tiny-qwen2-vl", "--data",
+                           "builtin:colors-test", "--reward", "arith", "--max-tokens", "4", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "acc" in json.dumps(result)
