@@ -17,7 +17,7 @@ app = typer.Typer(help="Prepare, validate and inspect training data (parquet in 
 
 @app.command("prepare")
 def prepare(
-    name: Annotated[str, typer.Argument(help="Data set: gsm8k, math or preference.")],
+    name: Annotated[str, typer.Argument(help="Data set: gsm8k, math, geo3k (images) or preference.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for <split>.parquet.")],
     source: Annotated[list[str] | None, typer.Option(
         "--source", help="Local copy in the original layout instead of the hub: FILE, SPLIT=FILE or a folder "
@@ -66,7 +66,8 @@ def prepare(
     train, val = files.get("train"), files.get("test") or files.get("validation")
     if train is not None:
         hint = f"data.train_files={train}" + (f" data.val_files={val}" if val else "")
-        typer.echo(f"Train with: rlx train --reward {'gsm8k' if name == 'gsm8k' else 'math'} {hint}")
+        reward = {"gsm8k": "gsm8k", "geo3k": "geo3k --model Qwen/Qwen2.5-VL-3B-Instruct"}.get(name, "math")
+        typer.echo(f"Train with: rlx train --reward {reward} {hint}")
 
 
 def _prepare_preference(out: str, source: list[str] | None, dataset: str | None, data_source: str | None,

@@ -34,6 +34,8 @@ from rlx.run.data import file_problem, missing_columns, os_error_text, role_prob
 GSM8K_INSTRUCTION = ('Think it through step by step, then write "####" followed by the final answer '
                      '(a number) on the last line.')
 MATH_INSTRUCTION = "Think it through step by step, and put the final answer in \\boxed{}."
+GEO3K_INSTRUCTION = ("Reason about the figure first, inside <think> </think>, then give the final answer in "
+                     "\\boxed{}.")
 SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
 SPLIT_WORDS = {"train": "train", "test": "test", "validation": "validation", "valid": "validation",
                "val": "validation", "dev": "validation"}
@@ -49,6 +51,7 @@ class Recipe:
     data_source: str
     instruction: str
     convert: Callable[[dict[str, Any]], tuple[str, str, dict[str, Any]] | None]  # -> question, truth, extra
+    images: str | None = None  # the record's column of images, written as the rows' ``images`` (vision data)
 
 
 def gsm8k_answer(solution: str) -> str | None:
@@ -85,10 +88,35 @@ def _math(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
     return question.strip(), str(truth).strip(), extra
 
 
+def _geo3k(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
+    """Geometry3K (hiyouga/geometry3k): its problem text holds an ``<image>`` marker per figure."""
+    question, truth, images = raw.get("problem"), raw.get("answer"), raw.get("images")
+    if not isinstance(question, str) or not question.strip() or truth is None or not str(truth).strip():
+        return None
+    if not isinstance(images, (list, tuple)) or question.count("<image>") != len(images):
+        return None
+    return question.strip(), str(truth).strip(), {"question": question, "answer": str(truth)}
+
+
+def image_entry(image: Any) -> dict[str, Any]:
+    """A data set's image as the rows store it: ``{"bytes": <PNG or the original file>, "path": None}``."""
+    import io
+
+    if isinstance(image, dict) and isinstance(image.get("bytes"), (bytes, bytearray)):
+        return {"bytes": bytes(image["bytes"]), "path": None}
+    if isinstance(image, (bytes, bytearray)):
+        return {"bytes": bytes(image), "path": None}
+    out = io.BytesIO()
+    image.save(out, format="PNG")  # a PIL image, as the datasets library decodes an Image column
+    return {"bytes": out.getvalue(), "path": None}
+
+
 RECIPES = {
     "gsm8k": Recipe("gsm8k", "openai/gsm8k", "main", "openai/gsm8k", GSM8K_INSTRUCTION, _gsm8k),
     "math": Recipe("math", "DigitalLearningGmbH/MATH-lighteval", None, "DigitalLearningGmbH/MATH-lighteval",
                    MATH_INSTRUCTION, _math),
+    "geo3k": Recipe("geo3k", "hiyouga/geometry3k", None, "hiyouga/geometry3k", GEO3K_INSTRUCTION, _geo3k,
+                    images="images"),
 }
 
 
@@ -262,14 +290,18 @@ def prepare(name: str, out_dir: str, *, sources: list[str] | None = None, hub_pa
                 skipped += 1
                 continue
             question, truth, extra = converted
-            rows.append(make_row(question, truth, extra, split=split, index=len(rows), data_source=source,
-                                 instruction=text))
+            row = make_row(question, truth, extra, split=split, index=len(rows), data_source=source,
+                           instruction=text)
+            if recipe.images is not None:
+                row["images"] = [image_entry(im) for im in record[recipe.images]]
+            rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
         if not rows:
             raise UserError(f"{name} {split}: none of the {len(records)} records has a usable question and answer.",
                             "gsm8k needs 'question' and 'answer' ending in '#### N'; math needs 'problem' and "
-                            "'answer' or a 'solution' with \\boxed{}.")
+                            "'answer' or a 'solution' with \\boxed{}; geo3k needs 'problem' (an <image> per "
+                            "figure), 'answer' and 'images'.")
         target = Path(os.path.expanduser(out_dir)) / f"{split}.parquet"
         write_parquet(rows, target)
         reports.append(SplitReport(split, target, len(rows), skipped))

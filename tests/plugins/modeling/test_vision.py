@@ -284,3 +284,32 @@ def test_rlx_eval_scores_a_vision_language_model_on_images(tmp_path: Path, vl_pa
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert "acc" in json.dumps(result)
+
+
+def test_data_prepare_geo3k_keeps_the_figures_as_image_rows(tmp_path: Path, vision):
+    from PIL import Image
+
+    from rlx.run.data import row_problems
+    from rlx.run.vision import image_problems
+
+    src = tmp_path / "geometry3k"
+    # the hub's parquet layout: images as {"bytes", "path"} structs; one record without its figure is skipped
+    src.mkdir()
+    write_rows(src / "train-00000-of-00001.parquet", [
+        {"problem": "<image>Find x.", "answer": "3", "images": [{"bytes": png((9, 9, 9)), "path": None}]},
+        {"problem": "<image>Find y.", "answer": "4", "images": []}])
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "rlx", "data", "prepare", "geo3k", "--out", str(out), "--source",
+                           str(src)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "train: 1 rows" in done.stdout and "--reward geo3k" in done.stdout
+    (prepared,) = pq.read_table(out / "train.parquet").to_pylist()
+    assert prepared["data_source"] == "hiyouga/geometry3k" and prepared["reward_model"]["ground_truth"] == "3"
+    assert prepared["prompt"][0]["content"].startswith("<image>Find x.") and "\\boxed{}" in \
+        prepared["prompt"][0]["content"]
+    assert not row_problems(prepared) and not image_problems(prepared)
+    assert Image.open(io.BytesIO(prepared["images"][0]["bytes"])).getpixel((0, 0)) == (9, 9, 9)
+    tok, vis = vision
+    data = load_prompts([str(out / "train.parquet")], tok, prompt_key="prompt", max_prompt_length=256,
+                        filter_overlong=False, source_key="x", vision=vis)
+    assert data.examples[0].input_ids.count(vis.image_token_id) > 1
