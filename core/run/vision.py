@@ -66,6 +66,9 @@ def content_parts(messages: list[dict[str, Any]], images: int, where: str) -> li
 def open_image(entry: Any, where: str, index: int = 0) -> Any:
     """A PIL image in RGB from one entry of a row's images (the ``index``-th): ``{"bytes": ...}`` /
     ``{"path": ...}``, bytes, or a path. A file that is not an image is a user error naming the row and image."""
+    from rlx.errors import require
+
+    require("PIL", "vision", "Prompts with images")
     from PIL import Image, UnidentifiedImageError
 
     what = f"image {index + 1} of the row"
@@ -99,6 +102,9 @@ class VisionPrompts:
     def __init__(self, model_path: str, tokenizer: Any, *, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig, AutoImageProcessor
 
+        from rlx.errors import require
+
+        require("PIL", "vision", "A vision-language model's prompts with images")
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model_type = str(getattr(config, "model_type", ""))
         if self.model_type not in FAMILIES or getattr(config, "image_token_id", None) is None:
