@@ -65,7 +65,7 @@ def test_disabling_a_component_by_the_name_the_list_shows(rlx):
     assert_user_error(proc, "reward.name: The reward 'arith' is turned off: RLX_DISABLE_PLUGINS names it")
     rows = json.loads(rlx("plugins", "list", "--json", RLX_DISABLE_PLUGINS="arith").stdout)
     assert [r["status"] for r in rows if r["name"] == "arith"] == ["disabled"]
-    assert [r["status"] for r in rows if r["name"] == "gsm8k"] == ["ok"]
+    assert [r["status"] for r in rows if r["name"] == "gsm8k" and r["kind"] == "reward"] == ["ok"]
 
 
 def test_a_disabled_name_that_matches_nothing_is_warned_about_with_the_valid_names(rlx):
