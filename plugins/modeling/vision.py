@@ -96,13 +96,16 @@ def rope_positions(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                    image_grid_thw: torch.Tensor) -> torch.Tensor:
     """The (3, b, L) rotary positions of padded rows whose image tokens stand for the images of
     ``image_grid_thw`` (in row order); padding gets position 1, which no real token attends to."""
+    import inspect
+
     import torch
 
     owner = _rope_owner(model)
     config = getattr(owner, "config", None) or model.config
-    token_types = (input_ids == int(config.image_token_id)).to(torch.int32)
-    positions, _ = owner.get_rope_index(input_ids, token_types, image_grid_thw=image_grid_thw,
-                                        attention_mask=attention_mask)
+    kwargs: dict[str, Any] = {"image_grid_thw": image_grid_thw, "attention_mask": attention_mask}
+    if "mm_token_type_ids" in inspect.signature(owner.get_rope_index).parameters:  # transformers >= 5.2x
+        kwargs["mm_token_type_ids"] = (input_ids == int(config.image_token_id)).to(torch.int32)
+    positions, _ = owner.get_rope_index(input_ids, **kwargs)
     return positions
 
 

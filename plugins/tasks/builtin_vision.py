@@ -45,11 +45,17 @@ def build_vision_tokenizer() -> Any:
 
 
 def image_processor() -> Any:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    """Qwen2-VL's image processor on Pillow (transformers' torchvision one where that backend is not there)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as Processor
 
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    return Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=14,
-                                    merge_size=2, temporal_patch_size=2)
+    return Processor(size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=14, merge_size=2,
+                     temporal_patch_size=2)
 
 
 def color_png(index: int, rng: random.Random) -> bytes:
