@@ -67,8 +67,36 @@ class Sampler:
         race = torch.empty_like(log_probs).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
         return (log_probs.exp() / race).argmax(-1)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the distribution is the logits' softmax at the temperature alone (no top-k or top-p cut)."""
+        return self.greedy or (self.top_k <= 0 and self.top_p >= 1.0)
+
+    def race(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` for a :attr:`plain` sampler without the (b, V) log-probs: with x the scaled logits, the
+        token is the arg-max of x - log E (``noise``: E ~ Exp(1) per token, the exponential race of
+        :meth:`choose`, since log p = x - logsumexp(x) differs from x by a constant per row), or of x when greedy
+        (``noise`` None), and its log-prob x_token - logsumexp(x): two passes over the logits instead of four,
+        and no float32 copy of them kept."""
+        import torch
+
+        x = logits.float()
+        if not self.greedy and self.temperature != 1.0:
+            x = x / self.temperature
+        if noise is None:
+            token = x.argmax(-1)
+        else:
+            token = (x - noise.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
+        chosen = x.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        return token, chosen - torch.logsumexp(x, dim=-1)
+
     def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(b,) chosen tokens and (b,) their log-probs."""
+        if self.plain:
+            import torch
+
+            noise = None if self.greedy else torch.empty_like(logits, dtype=torch.float32).exponential_()
+            return self.race(logits, noise)
         log_probs = self.log_probs(logits)
         tokens = self.choose(log_probs)
         return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

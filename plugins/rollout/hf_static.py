@@ -537,6 +537,8 @@ class SlotDecoder:
         import torch
 
         logits = slot_forward(self.w, tok, pos, start, self.slot, self.k_caches, self.v_caches)
+        if self.sampler.plain:
+            return self.sampler.race(logits, noise)
         log_probs = self.sampler.log_probs(logits)
         if noise is None:
             token = log_probs.argmax(-1)

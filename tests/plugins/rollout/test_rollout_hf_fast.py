@@ -190,6 +190,22 @@ def test_sampler_options():
     assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
 
 
+@pytest.mark.parametrize("sampler", [Sampler(True, 1.0, 0, 1.0), Sampler(False, 1.0, 0, 1.0),
+                                     Sampler(False, 0.7, 0, 1.0)])
+def test_the_plain_race_draws_the_full_paths_tokens_with_its_log_probs(sampler):
+    """Without top-k or top-p the step skips the (b, V) log-probs: arg-max of x - log E is arg-max of p / E (the
+    log-softmax differs from x by a constant per row), and the token's log-prob is x_token - logsumexp(x)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 3000, generator=g) * 3
+    noise = None if sampler.greedy else torch.empty(32, 3000).exponential_(generator=g)
+    log_probs = sampler.log_probs(logits)
+    want = log_probs.argmax(-1) if noise is None else (log_probs.exp() / noise).argmax(-1)
+    token, log_prob = sampler.race(logits, noise)
+    assert sampler.plain and torch.equal(token, want)
+    torch.testing.assert_close(log_prob, log_probs.gather(-1, want[:, None])[:, 0], atol=1e-5, rtol=0)
+    assert not Sampler(False, 1.0, 5, 1.0).plain and not Sampler(False, 1.0, 0, 0.9).plain
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compile_mode", ["off", "default"])
 def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
