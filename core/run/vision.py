@@ -18,6 +18,7 @@ stored, so that rollouts saved with a checkpoint stay plain data).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from typing import Any
@@ -172,16 +173,27 @@ def vision_prompts(model_path: str, tokenizer: Any, trust_remote_code: bool = Fa
     return VisionPrompts(model_path, tokenizer, trust_remote_code=trust_remote_code)
 
 
+@functools.lru_cache(maxsize=32)
 def image_token_id(model_path: str) -> int | None:
-    """The image token of a vision-language model folder (its config.json's ``image_token_id``), None for a language
-    model or a folder without a readable config."""
+    """The image token of a vision-language model (its config.json's ``image_token_id``; a hub id's config through
+    transformers' cache), None for a language model or a model without a readable config."""
     import json
 
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
+    from rlx.run.models import is_local
+
+    if is_local(model_path):
+        try:
+            with open(os.path.join(os.path.expanduser(model_path), "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    else:
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path).to_dict()
+        except Exception:  # not reachable or not a model: its own loading reports it
+            return None
     value = config.get("image_token_id") if isinstance(config, dict) and "vision_config" in config else None
     return int(value) if isinstance(value, int) else None
 
