@@ -1666,27 +1666,32 @@ def _verl_interaction_name(entry: dict[str, Any]) -> Any:
     return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
 
 
+def _read_yaml(key: str, text: str, what: str, hint: str) -> Any:
+    """The YAML data of the file ``text`` that verl's ``key`` names (its ``what`` config), read as data; a file that
+    is unreadable, not UTF-8 or not YAML is a user error (exit 2)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(text).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"--from-verl: {key}={text}: not a text file (it is not UTF-8); verl's {what} config is "
+                        "YAML.", hint) from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--from-verl: {key}={text}: cannot read it as YAML: {exc}", hint) from None
+
+
 def _interaction_config(value: Any, t: Translation, key: str) -> None:
     """verl's interaction YAML (``interaction: [{name, class_name, config}]``), read as data (never imported or
     run): its gsm8k interaction is rlx's ``gsm8k``; another class is named as unmapped. A file that is missing,
     unreadable or not such a YAML is a user error (exit 2)."""
-    import yaml
-
     text = os.path.expanduser(str(value))
-    path = Path(text)
     hint = ("Give the path of verl's interaction config YAML (interaction: [{name: ..., class_name: ..., "
             "config: {...}}]), or run rlx where the file is (verl's multi-turn examples expect verl's checkout as "
             "the working folder).")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not Path(text).exists():
         raise UserError(f"--from-verl: {key}={text}: no such file; rlx reads verl's interaction config to choose "
-                        "its interactions.", hint) from None
-    except UnicodeDecodeError:
-        raise UserError(f"--from-verl: {key}={text}: not a text file (it is not UTF-8); verl's interaction config "
-                        "is YAML.", hint) from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"--from-verl: {key}={text}: cannot read it as YAML: {exc}", hint) from None
+                        "its interactions.", hint)
+    data = _read_yaml(key, text, "interaction", hint)
     entries = data.get("interaction") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not all(isinstance(x, dict) and isinstance(x.get("class_name"), str)
                                                 for x in entries):
@@ -1728,22 +1733,12 @@ def _tool_config(value: Any, t: Translation, key: str, pm: Any) -> None:
     its sandbox-fusion code tool is rlx's python tool; a tool rlx has no counterpart for is named."""
     if value is None:
         raise _Ignored("null: no tools")
-    import yaml
-
     text = os.path.expanduser(str(value))
-    path = Path(text)
-    if not path.exists():
+    if not Path(text).exists():
         raise _Unmapped(f"the tool config {text} is not on this machine; rlx reads it to choose its tools (verl's "
                         "multi-turn examples expect verl's checkout as the working folder): run rlx where the file "
                         "is, or leave the key out and set agent.tools=[...] yourself")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"--from-verl: {key}={text}: not a text file (it is not UTF-8); verl's tool config is "
-                        "YAML.", "Give the path of verl's tool config YAML.") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"--from-verl: {key}={text}: cannot read it as YAML: {exc}",
-                        "Give the path of verl's tool config YAML.") from None
+    data = _read_yaml(key, text, "tool", "Give the path of verl's tool config YAML.")
     tools = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(tools, list) or not all(isinstance(x, dict) and isinstance(x.get("class_name"), str)
                                               for x in tools):

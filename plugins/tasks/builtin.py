@@ -37,6 +37,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 PREFIX = "builtin:"
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -190,16 +191,24 @@ def format_warm_start(model, tok, steps: int = WARM_START_STEPS, lr: float = 3e-
         rows = torch.randint(len(questions), (WARM_START_BATCH,), generator=gen)
         replies = digit_ids[torch.randint(10, (WARM_START_BATCH,), generator=gen)]
         ids = torch.cat([questions[rows], replies[:, None]], dim=1)  # (b, L + 1); all questions have one length
-        logp = torch.log_softmax(model(input_ids=ids).logits[:, -2:].float(), dim=-1)  # (b, 2, V)
-        any_digit = -logp[:, 0, digit_ids].mean()  # cross-entropy with the uniform distribution over digits
-        stop = -logp[:, 1, tok.eos_token_id].mean()
-        loss = any_digit + stop
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(float(loss.detach()))
+        losses.append(format_step(optim, model(input_ids=ids).logits, digit_ids, tok.eos_token_id))
     model.eval()
     return losses
+
+
+def format_step(optim: Any, logits: Any, digit_ids: Any, eos_token_id: int) -> float:
+    """One optimizer step of the format warm start on replies of one digit and the end of the turn: the first
+    reply token's cross-entropy with every digit equally likely, plus the end token's after it; the loss."""
+    import torch
+
+    logp = torch.log_softmax(logits[:, -2:].float(), dim=-1)  # (b, 2, V)
+    any_digit = -logp[:, 0, digit_ids].mean()  # cross-entropy with the uniform distribution over digits
+    stop = -logp[:, 1, eos_token_id].mean()
+    loss = any_digit + stop
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    return float(loss.detach())
 
 
 def arith_rows(split: str, count: int, seed: int) -> list[dict]:

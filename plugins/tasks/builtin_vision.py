@@ -135,6 +135,7 @@ def vision_warm_start(model: Any, tok: Any, processor: Any, steps: int = WARM_ST
     import torch
 
     from rlx.plugins.modeling.vision import rope_positions
+    from rlx.plugins.tasks.builtin import format_step
     from rlx.run.vision import content_parts
 
     rng = random.Random(seed)
@@ -161,11 +162,6 @@ def vision_warm_start(model: Any, tok: Any, processor: Any, steps: int = WARM_ST
         positions = rope_positions(model, input_ids, mask, pixels["image_grid_thw"])
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                        pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"]).logits
-        logp = torch.log_softmax(logits[:, -2:].float(), dim=-1)
-        loss = -logp[:, 0, digit_ids].mean() - logp[:, 1, tok.eos_token_id].mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(float(loss.detach()))
+        losses.append(format_step(optim, logits, digit_ids, tok.eos_token_id))
     model.eval()
     return losses
