@@ -282,8 +282,8 @@ def test_rlx_eval_scores_a_vision_language_model_on_images(tmp_path: Path, vl_pa
                            "builtin:colors-test", "--reward", "arith", "--max-tokens", "4", "--output", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert "acc" in json.dumps(result)
+    scores = json.loads(out.read_text())["metrics"]["rlx/colors"]  # every prompt, with its image, was answered
+    assert scores["prompts"] == scores["samples"] == 100 and 0.0 <= scores["acc"] <= 1.0
 
 
 def test_data_prepare_geo3k_keeps_the_figures_as_image_rows(tmp_path: Path, vision):
