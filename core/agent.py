@@ -247,7 +247,8 @@ class Episode:
         """Append turns that are not the model's (tool results: ``{"role": "tool", "name": ..., "content": ...}``;
         or a user turn) as the chat template renders them after the model's last turn, followed by the prompt of
         the model's next turn. Their tokens are read by the model and not trained (loss mask 0). Returns the
-        tokens appended; what would pass the token budget is cut, and an episode whose budget they use up ends (``budget``)."""
+        tokens appended; what would pass the token budget is cut, and an episode whose budget they use up ends
+        (``budget``)."""
         ids = self._runner.render_turns(messages)
         room = self.budget_left
         if len(ids) >= room:  # cut, or the budget's last tokens: the episode cannot go on, and says why
