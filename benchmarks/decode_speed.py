@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="profile one generate at this batch size")
     ap.add_argument("--out", default="decode_speed.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                    help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.batch, args.device, args.compile, args.repeats, args.check, args.prefill = (
@@ -266,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             print("decode_speed.py: no GPU here (use --smoke or --device cpu)", file=sys.stderr)
             return 2
     import torch._dynamo
+
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
 
     # One process compiles the decode step for every shape: more than dynamo's default 8 recompilations.
     for name in ("recompile_limit", "cache_size_limit"):

@@ -131,12 +131,21 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
         torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        budget = job.get("budget") or None
+        forward = ForwardOptions(log_prob_chunk_size=job.get("head_chunk", DEFAULT_CHUNK_SIZE),
+                                 use_dynamic_bsz=budget is not None, ppo_max_token_len=budget,
+                                 log_prob_max_token_len=budget and 2 * budget,
+                                 use_torch_compile=bool(job.get("compile")))
         spec = RoleSpec(role="actor", model_path=job["path"], trainable=True,
                         dtype="float32" if job["float32"] else "bfloat16", lr=job["lr"], weight_decay=0.0,
                         micro_batch_size=job["micro"], gradient_checkpointing=job["checkpointing"], seed=0,
-                        forward=ForwardOptions(log_prob_chunk_size=job.get("head_chunk", DEFAULT_CHUNK_SIZE)))
+                        forward=forward)
         options = MegatronOptions(tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
                                   sequence_parallel=job["tp"] > 1 and job["sp"])
+        if job.get("stock"):  # megatron-core's own fallbacks (per-tensor loops, foreach AdamW): the "before"
+            import rlx.plugins.backends.megatron as backend
+
+            backend.use_torch_kernels = lambda optimizer: None
         worker = MegatronWorker(spec, options, "cuda")
         info = worker.dispatch_info()
         full = make_batch(job["rows"] * info.dp_size, job["prompt"], job["response"], job["vocab"], seed=1)
@@ -145,7 +154,11 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
         times: dict[str, list[float]] = {"log_prob": [], "update": []}
         metrics: list[dict[str, float]] = []
         torch.cuda.reset_peak_memory_stats()
-        for step in range(job["warmup"] + job["steps"]):
+        profile = job.get("profile") and rank == 0
+        for step in range(job["warmup"] + job["steps"] + (1 if profile else 0)):
+            if profile and step == job["warmup"] + job["steps"]:
+                profiled(lambda: (worker.compute_log_probs(batch), worker.update([batch], loss)))
+                break
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
@@ -166,6 +179,24 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+def profiled(fn: Any) -> None:
+    """Run ``fn`` (one step) under torch's profiler and print where the GPU's and the host's time went."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"profiled step: {wall:.3f} s wall (profiler on), GPU kernels {kernels / 1e6:.3f} s")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
 def run_job(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
@@ -221,21 +252,44 @@ def flops_per_token(shape: dict[str, int], seq: int) -> float:
     return 6 * dense + 12 * layers * h * seq
 
 
+def parse_variant(variant: str) -> dict[str, Any]:
+    """``micro4`` / ``budget12288`` (rows per micro-batch, or a token budget), ``+stock`` (megatron-core's own
+    optimizer fallbacks, the before of use_torch_kernels), ``+compile`` (``actor.use_torch_compile``: each decoder
+    layer compiled)."""
+    job: dict[str, Any] = {}
+    for part in variant.split("+"):
+        if part.startswith("micro"):
+            job["micro"] = int(part[5:])
+        elif part.startswith("budget"):
+            job["budget"] = int(part[6:])
+        elif part in ("stock", "compile"):
+            job[part] = True
+        elif part != "default":
+            raise SystemExit(f"unknown variant part {part!r} (microN, budgetN, stock, compile, default)")
+    return job
+
+
 def step(args: argparse.Namespace) -> None:
     peak = matmul_tflops()
     print(f"bf16 matmul: {peak:.0f} TFLOP/s measured")
-    print("| shape | GPUs | TP | PP | head chunk | rows/GPU | tokens/row | log-prob pass s | update s | tokens/s/GPU | "
-          "MFU | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, chunk in ((name, chunk) for name in args.shape for chunk in args.head_chunk):
+    print("| shape | variant | GPUs | TP | PP | head chunk | rows/GPU | tokens/row | log-prob pass s | update s | "
+          "tokens/s/GPU | MFU | update MFU | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    runs = [(name, chunk, variant) for name in args.shape for chunk in args.head_chunk for variant in args.variants]
+    for name, chunk, variant in runs:
         shape = SHAPES[name]
         with tempfile.TemporaryDirectory() as tmp:
             build_model(tmp, shape)
             job = {"path": tmp, "float32": False, "lr": 1e-6, "micro": args.micro, "checkpointing": args.checkpointing,
                    "tp": args.tp, "pp": args.pp, "sp": args.sequence_parallel, "rows": args.rows,
                    "prompt": args.prompt, "response": args.response, "vocab": shape["vocab_size"],
-                   "warmup": args.warmup, "steps": args.steps, "head_chunk": chunk}
-            ranks = run_job(job, args.gpus)
+                   "warmup": args.warmup, "steps": args.steps, "head_chunk": chunk,
+                   "profile": variant in args.profile, **parse_variant(variant)}
+            try:
+                ranks = run_job(job, args.gpus)
+            except Exception as exc:  # one variant failing (e.g. compilation) must not hide the others
+                print(f"| {name} | {variant}: failed: {str(exc).splitlines()[-1][:200]} |")
+                continue
         lp = max(sum(r["times"]["log_prob"]) / len(r["times"]["log_prob"]) for r in ranks)
         up = max(sum(r["times"]["update"]) / len(r["times"]["update"]) for r in ranks)
         seq = args.prompt + args.response
@@ -243,9 +297,11 @@ def step(args: argparse.Namespace) -> None:
         tokens = args.rows * dp * seq  # every data-parallel rank holds args.rows rows
         flops = tokens * flops_per_token(shape, seq) * (1 + 1 / 3)
         mfu = flops / (lp + up) / args.gpus / (peak * 1e12)
-        print(f"| {name} | {args.gpus} | {args.tp} | {args.pp} | {chunk or 'off'} | {args.rows * dp // args.gpus} | "
+        update_mfu = tokens * flops_per_token(shape, seq) / up / args.gpus / (peak * 1e12)
+        print(f"| {name} | {variant} | {args.gpus} | {args.tp} | {args.pp} | {chunk or 'off'} | "
+              f"{args.rows * dp // args.gpus} | "
               f"{seq} | {lp:.3f} | "
-              f"{up:.3f} | {tokens / (lp + up) / args.gpus:.0f} | {mfu:.1%} | "
+              f"{up:.3f} | {tokens / (lp + up) / args.gpus:.0f} | {mfu:.1%} | {update_mfu:.1%} | "
               f"{max(r['peak_gib'] for r in ranks):.1f} |")
 
 
@@ -272,6 +328,9 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--head-chunk", nargs="+", type=int, default=[DEFAULT_CHUNK_SIZE],
                    help="actor.log_prob_chunk_size values to run (0: the full head); one row each")
+    p.add_argument("--variants", nargs="+", default=["default"],
+                   help="one row each: default, micro16, budget12288, +stock, +compile (e.g. budget12288+compile)")
+    p.add_argument("--profile", nargs="*", default=[], help="variants to profile one more step of (rank 0)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()

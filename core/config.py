@@ -259,7 +259,7 @@ class ActorConfig(_Section):
         1, ge=1, le=1024, description="Ulysses sequence parallelism: each sequence's tokens split over this many "
         "processes (fsdp/fsdp2 backends, packed sequences); must divide the processes and the attention heads.")
     use_torch_compile: bool = Field(
-        False, description="torch.compile each decoder layer of the trained model (torch and fsdp2 backends; "
+        False, description="torch.compile each decoder layer of the trained model (torch, fsdp2 and megatron backends; "
         "dynamic shapes, one graph shared by the layers) and the chunked head's per-chunk log-softmax, entropy "
         "and logit-gradient work: fuses the norms, activations and casts between the matrix products, and "
         "reads each chunk of logits once or twice instead of once per operation. Costs 20-30 s of compilation "

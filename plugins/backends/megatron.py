@@ -145,9 +145,6 @@ def settings_problems(settings: dict[str, RoleSettings]) -> list[str]:
         if int(forward.ulysses_sequence_parallel_size or 1) > 1:
             out.append(f"{section}.ulysses_sequence_parallel_size > 1 belongs to the fsdp backends (use "
                        "backend.sequence_parallel with tensor parallelism)")
-        if forward.use_torch_compile:
-            out.append(f"{section}.use_torch_compile=true belongs to the torch and fsdp2 backends (megatron-core "
-                       "fuses its layers through Transformer Engine)")
         if forward.model_dtype == "bfloat16":
             out.append(f"{section}.model_dtype=bfloat16 is not supported (the megatron backend keeps fp32 "
                        "master weights)")
@@ -459,6 +456,117 @@ def model_outputs(output: torch.Tensor, where: torch.Tensor, micro: Batch, *, va
     return out
 
 
+# -- compiled layers ------------------------------------------------------------------------------------------
+def compile_layers(chunks: list[Any]) -> int:
+    """``actor.use_torch_compile`` (``critic.``) on this backend: each decoder layer of each chunk
+    ``torch.compile``d in place with dynamic shapes (micro-batches change length), as the torch and fsdp2
+    backends compile theirs; without Transformer Engine, megatron-core's local layers run their norms, rotary
+    embedding, activation and residual additions as separate kernels, which the compiler fuses. Returns how many
+    layers were compiled."""
+    _quiet_group_lookup()
+    count = 0
+    for chunk in chunks:
+        decoder = getattr(getattr(chunk, "module", chunk), "decoder", None)
+        for layer in getattr(decoder, "layers", None) or []:
+            layer.compile(dynamic=True)
+            count += 1
+    return count
+
+
+def _quiet_group_lookup() -> None:
+    """megatron-core's layers look up their tensor-parallel group on every call through
+    ``get_tensor_model_parallel_group_if_none``, which also raises a deprecation warning each time; a warning
+    inside a compiled region splits its graph (twice per linear layer). Every megatron-core module's reference
+    to that helper is pointed at the same lookup without the warning."""
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core import utils as mcore
+
+    original = getattr(mcore, "_rlx_warning_group_lookup", mcore.get_tensor_model_parallel_group_if_none)
+
+    def group_if_none(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+        if not dist.is_initialized():
+            return None
+        if not parallel_state.is_initialized() or tp_group is not None:
+            return tp_group
+        if is_expert:
+            return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    mcore._rlx_warning_group_lookup = original  # type: ignore[attr-defined]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "get_tensor_model_parallel_group_if_none",
+                                                        None) is original:
+            module.get_tensor_model_parallel_group_if_none = group_if_none  # type: ignore[attr-defined]
+
+
+# -- megatron-core's optimizer without Transformer Engine or Apex --------------------------------------------
+def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                     *args: Any) -> tuple[torch.Tensor, None]:
+    """The total L2 norm of a list of tensors, as a (1,) float32 tensor on the device, from torch's
+    multi-tensor norm (megatron-core's fallback reads every tensor's norm to the host, one sync each)."""
+    import torch
+
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device="cuda"), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """dst = src * scale over two lists of tensors (dtypes may differ: float32 master weights into bf16
+    parameters) with torch's multi-tensor kernels (megatron-core's fallback: two kernels per tensor)."""
+    import torch
+
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_torch_kernels(optimizer: Any) -> None:
+    """Where neither Transformer Engine nor Apex is installed, megatron-core falls back to torch's AdamW in its
+    default (per-group foreach) form and to Python loops for the gradient norm and the master-weight copies.
+    Run the same arithmetic on torch's fused AdamW and multi-tensor kernels: the fallback's norm alone waits
+    for the GPU once per parameter tensor."""
+    import torch
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    if getattr(clip_grads, "l2_norm_impl", None) is getattr(mcore_utils(), "local_multi_tensor_l2_norm", 0):
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    local_scale = getattr(mcore_utils(), "local_multi_tensor_scale", 0)
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is local_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # Transformer Engine's or Apex's fused Adam: already one kernel
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if params and all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+            for p in params:  # a resumed state's step counts, as the fused kernel reads them: on the device
+                state = inner.state.get(p, {})
+                if isinstance(state.get("step"), torch.Tensor) and not state["step"].is_cuda:
+                    state["step"] = state["step"].to(p.device, torch.float32)
+
+
+def mcore_utils() -> Any:
+    import megatron.core.utils as utils
+
+    return utils
+
+
 # -- the worker -----------------------------------------------------------------------------------------
 class MegatronWorker:
     """One role's model on this rank's share of a megatron-core layout (GPU only)."""
@@ -512,6 +620,8 @@ class MegatronWorker:
                                    device=self.device)
         load_hf(self.chunks, self.bridge, self.hf_config, spec.model_path, value_head=spec.value_head,
                 seed=spec.seed)
+        if spec.forward.use_torch_compile:
+            compile_layers(self.chunks)
         self.update_budget, self.forward_budget = spec.forward.update_budget, spec.forward.forward_budget
         # actor.log_prob_chunk_size: the head's logits a chunk of response positions at a time (0: all at once)
         self.head_chunk = 0 if spec.value_head else int(spec.forward.log_prob_chunk_size)
@@ -545,6 +655,8 @@ class MegatronWorker:
                                  clip_grad=spec.grad_clip, bf16=bf16, params_dtype=self.compute_dtype,
                                  use_distributed_optimizer=options.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(config, self.model)
+        if self.device.startswith("cuda"):
+            use_torch_kernels(self.optimizer)
 
     def dispatch_info(self) -> DispatchInfo:
         return DispatchInfo(self.dp_rank, self.dp_size, self.tp_rank == 0 and self.last_stage)
@@ -833,6 +945,8 @@ class MegatronWorker:
             chunk.load_state_dict(state[f"model{i}"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.device.startswith("cuda"):
+                use_torch_kernels(self.optimizer)  # the saved groups replace the loaded ones' settings
         own = os.path.join(path, f"rank{dist.get_rank()}.pt")
         local = torch_load(own if os.path.exists(own) else os.path.join(path, "rank0.pt"))
         self.steps = int(local["steps"])

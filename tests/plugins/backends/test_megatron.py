@@ -137,7 +137,8 @@ TEMPERATURE = 0.7  # the forward passes of these tests divide the logits by a sa
 
 
 def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_head: bool = False,
-                      head: dict[str, torch.Tensor] | None = None, head_chunk: int = 0) -> dict[str, Any]:
+                      head: dict[str, torch.Tensor] | None = None, head_chunk: int = 0,
+                      compiled: bool = False) -> dict[str, Any]:
     """The backend's forward pass (``run_model`` + ``model_outputs``) on ``batch``, then the gradients of
     sum((log_probs + 0.1 entropy) * mask) (or of sum(values^2)) as full tensors with Hugging Face names
     (each parameter's gradient written into it, then exported like weights). ``head_chunk`` > 0: the chunked
@@ -146,6 +147,10 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
     bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
     chunks = build_chunks(bridge, config, value_head=value_head, use_te=False, vpp=None, device="cpu")
     load_hf(chunks, bridge, config, path, value_head=value_head, seed=0)
+    if compiled:
+        from rlx.plugins.backends.megatron import compile_layers
+
+        assert compile_layers(chunks) == config.num_hidden_layers
     if head is not None:
         with torch.no_grad():
             chunks[0].output_layer.weight.copy_(head["weight"])
@@ -387,6 +392,31 @@ def test_tensor_parallel_forward_and_gradients_match_one_rank(
             assert set(got["grads"]) == set(one["grads"])
             for name, grad in one["grads"].items():
                 torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_layers_give_the_eager_numbers_and_gradients(llama_path: str, one_rank: None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor.use_torch_compile on the megatron backend: every decoder layer compiled (dynamic shapes) gives the
+    eager layers' log-probs, entropies and every weight's gradient (float32 on the CPU; the compiler reorders
+    sums), with no graph break (megatron-core's per-call deprecation warning would split each linear layer's
+    graph). megatron-core's recomputation forks CUDA random states, so compiled + recomputed layers are checked
+    on a GPU only (benchmarks/megatron_step.py)."""
+    import torch._dynamo
+
+    emulate_cuda_placement(monkeypatch.setattr)
+    options = MegatronOptions()
+    eager = forward_and_grads(llama_path, options, forward_batch(), head_chunk=5)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = forward_and_grads(llama_path, options, forward_batch(), head_chunk=5, compiled=True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(compiled[key], eager[key], atol=1e-5, rtol=1e-5)
+    for name, grad in eager["grads"].items():
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(compiled["grads"][name], grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("which", ["qwen2", "llama"])
@@ -814,3 +844,42 @@ def test_rlx_train_refuses_a_bad_layout_with_one_message(tmp_path: Path) -> None
                                "backend.tensor_model_parallel_size=2")
     assert shown.returncode == 0, shown.stderr
     assert "tensor_model_parallel_size: 2" in shown.stdout and "use_distributed_optimizer: false" in shown.stdout
+
+
+def test_the_optimizers_torch_kernels_give_megatrons_fallback_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """use_torch_kernels' gradient norm and scaled copies against the arithmetic of megatron-core's own
+    fallbacks (per-tensor norms, then the norm of the norms; dst = src * scale), float64 references; the
+    module functions it replaces are swapped only where they are megatron's fallbacks."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    from rlx.plugins.backends.megatron import _foreach_l2_norm, _foreach_scale, use_torch_kernels
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g) for shape in ((7, 5), (3,), (64, 33), (1,))]
+    want = torch.stack([t.double().norm() for t in grads]).norm()
+    norm, _ = _foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    assert torch.allclose(norm.double(), want.reshape(1), rtol=1e-6)
+
+    masters = [t.clone() for t in grads]
+    params = [torch.zeros_like(t, dtype=torch.bfloat16) for t in grads]
+    _foreach_scale(2048 * 32, None, [masters, params], 1.0)  # master weights into the bf16 parameters
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(params, masters))
+    _foreach_scale(2048 * 32, None, [masters, params], 0.25)
+    assert all(torch.equal(p, (m * 0.25).to(torch.bfloat16)) for p, m in zip(params, masters))
+    _foreach_scale(2048 * 32, None, [masters, masters], 0.5)  # in place: the clipped gradients
+    assert all(torch.equal(m, t * 0.5) for m, t in zip(masters, grads))
+
+    for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
+                         (mcore_optimizer, "multi_tensor_scale_impl")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    fallbacks = clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm
+    cpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    use_torch_kernels(SimpleNamespace(optimizer=cpu))
+    assert cpu.param_groups[0]["fused"] is not True  # CPU parameters: torch's default form stays
+    if fallbacks:  # neither Transformer Engine nor Apex installed (as here)
+        assert clip_grads.l2_norm_impl is _foreach_l2_norm
+        assert clip_grads.multi_tensor_scale_impl is _foreach_scale
+        assert mcore_optimizer.multi_tensor_scale_impl is _foreach_scale
