@@ -230,18 +230,20 @@ def tp_agreement(args: argparse.Namespace) -> None:
     print(f"OK: TP=2 agrees with TP=1 to {worst:.2e} relative")
 
 
-def matmul_tflops(n: int = 8192, reps: int = 50) -> float:
+def matmul_tflops(n: int = 8192, reps: int = 50, device: str = "cuda") -> float:
     import torch
 
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(5):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(reps):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
 
 
@@ -270,6 +272,8 @@ def parse_variant(variant: str) -> dict[str, Any]:
 
 
 def step(args: argparse.Namespace) -> None:
+    if args.smoke:
+        return smoke(args)
     peak = matmul_tflops()
     print(f"bf16 matmul: {peak:.0f} TFLOP/s measured")
     print("| shape | variant | GPUs | TP | PP | head chunk | rows/GPU | tokens/row | log-prob pass s | update s | "
@@ -290,19 +294,88 @@ def step(args: argparse.Namespace) -> None:
             except Exception as exc:  # one variant failing (e.g. compilation) must not hide the others
                 print(f"| {name} | {variant}: failed: {str(exc).splitlines()[-1][:200]} |")
                 continue
-        lp = max(sum(r["times"]["log_prob"]) / len(r["times"]["log_prob"]) for r in ranks)
-        up = max(sum(r["times"]["update"]) / len(r["times"]["update"]) for r in ranks)
-        seq = args.prompt + args.response
-        dp = args.gpus // (args.tp * args.pp)
-        tokens = args.rows * dp * seq  # every data-parallel rank holds args.rows rows
-        flops = tokens * flops_per_token(shape, seq) * (1 + 1 / 3)
-        mfu = flops / (lp + up) / args.gpus / (peak * 1e12)
-        update_mfu = tokens * flops_per_token(shape, seq) / up / args.gpus / (peak * 1e12)
-        print(f"| {name} | {variant} | {args.gpus} | {args.tp} | {args.pp} | {chunk or 'off'} | "
-              f"{args.rows * dp // args.gpus} | "
-              f"{seq} | {lp:.3f} | "
-              f"{up:.3f} | {tokens / (lp + up) / args.gpus:.0f} | {mfu:.1%} | {update_mfu:.1%} | "
-              f"{max(r['peak_gib'] for r in ranks):.1f} |")
+        report_row(args, name, variant, chunk, ranks, peak)
+
+
+def report_row(args: argparse.Namespace, name: str, variant: str, chunk: int, ranks: list[dict[str, Any]],
+               peak: float) -> None:
+    """Print (and with --json append) one row: mean log-prob pass and update seconds of the slowest rank,
+    tokens/s per GPU, MFU of both passes (forward 2, update 6 FLOPs per parameter and token) and of the update
+    alone, peak memory."""
+    shape = SHAPES[name]
+    lp = max(sum(r["times"]["log_prob"]) / len(r["times"]["log_prob"]) for r in ranks)
+    up = max(sum(r["times"]["update"]) / len(r["times"]["update"]) for r in ranks)
+    seq = args.prompt + args.response
+    dp = args.gpus // (args.tp * args.pp)
+    tokens = args.rows * dp * seq  # every data-parallel rank holds args.rows rows
+    flops = tokens * flops_per_token(shape, seq) * (1 + 1 / 3)
+    mfu = flops / (lp + up) / args.gpus / (peak * 1e12)
+    update_mfu = tokens * flops_per_token(shape, seq) / up / args.gpus / (peak * 1e12)
+    peak_gib = max(r["peak_gib"] for r in ranks)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"shape": name, "variant": variant, "gpus": args.gpus, "tp": args.tp, "pp": args.pp,
+                                "head_chunk": chunk, "log_prob_s": lp, "update_s": up,
+                                "tokens_per_s_per_gpu": tokens / (lp + up) / args.gpus, "mfu": mfu,
+                                "update_mfu": update_mfu, "matmul_tflops": peak, "peak_gib": peak_gib}) + "\n")
+    print(f"| {name} | {variant} | {args.gpus} | {args.tp} | {args.pp} | {chunk or 'off'} | "
+          f"{args.rows * dp // args.gpus} | {seq} | {lp:.3f} | {up:.3f} | {tokens / (lp + up) / args.gpus:.0f} | "
+          f"{mfu:.1%} | {update_mfu:.1%} | {peak_gib:.1f} |")
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """The CPU (CI): what ``step`` runs, on a 2-layer model through megatron-core's local layers on one gloo rank
+    (megatron-core's CUDA-only placements pointed at the CPU as tests/plugins/backends/test_megatron.py does):
+    one forward pass without gradients and one forward and backward pass with the chunked head, each variant's
+    layers compiled where it asks, then the row's arithmetic and JSON. megatron's DDP and optimizer need CUDA:
+    the update here is the forward and backward pass only."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "plugins" / "backends"))
+    from test_megatron import emulate_cuda_placement  # type: ignore[import-not-found]
+
+    from rlx.plugins.backends.megatron import (
+        MegatronOptions,
+        compile_layers,
+        config_overrides,
+        model_outputs,
+        run_model,
+    )
+    from rlx.plugins.backends.megatron_convert import build_chunks, load_hf, make_bridge, read_hf_config
+
+    SHAPES["smoke"] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2}
+    args.shape, args.rows, args.prompt, args.response, args.gpus, args.tp, args.pp = ["smoke"], 4, 8, 8, 1, 1, 1
+    emulate_cuda_placement(setattr)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mpu.initialize_model_parallel(1, 1)
+    peak = matmul_tflops(256, 5, device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp, SHAPES["smoke"])
+        config = read_hf_config(tmp)
+        for variant in args.variants:
+            job = parse_variant(variant)
+            bridge = make_bridge(config, torch.float32, config_overrides(MegatronOptions(), torch.float32, True))
+            chunks = build_chunks(bridge, config, value_head=False, use_te=False, vpp=None, device="cpu")
+            load_hf(chunks, bridge, config, tmp, value_head=False, seed=0)
+            if job.get("compile"):
+                compile_layers(chunks)
+            batch = make_batch(args.rows, args.prompt, args.response, 512, seed=1)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                run_model(chunks[0], batch, 1, 4)
+            t1 = time.perf_counter()
+            output, where = run_model(chunks[0], batch, 1, 4)
+            out = model_outputs(output, where, batch, value_head=False, with_entropy=True, head_done=True)
+            (out["log_probs"] * batch["advantages"]).sum().backward()
+            t2 = time.perf_counter()
+            assert all(p.grad is not None for p in chunks[0].parameters() if p.requires_grad)
+            report_row(args, "smoke", variant, 4, [{"times": {"log_prob": [t1 - t0], "update": [t2 - t1]},
+                                                    "peak_gib": 0.0}], peak)
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -331,6 +404,8 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="one row each: default, micro16, budget12288, +stock, +compile (e.g. budget12288+compile)")
     p.add_argument("--profile", nargs="*", default=[], help="variants to profile one more step of (rank 0)")
+    p.add_argument("--json", default=None, help="append one JSON line per row to this file")
+    p.add_argument("--smoke", action="store_true", help="the CPU, a tiny model, no GPU (CI): see smoke()")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
