@@ -2,6 +2,7 @@
 
     python benchmarks/builtin_learning.py                       # 6 algorithms x seeds 1-5, 2 runs at a time
     python benchmarks/builtin_learning.py --algorithms grpo ppo --seeds 1 2 --jobs 1 --out /tmp/bl
+    python benchmarks/builtin_learning.py --smoke --out /tmp/bl  # CI: each algorithm, seed 1, 2 steps (seconds)
 
 Every run is `OMP_NUM_THREADS=1` (the preset trains on one torch thread) and writes only metrics.jsonl.
 Prints two markdown tables: one row per run (greedy exact-match accuracy on builtin:arith-test before
@@ -9,21 +10,26 @@ training and at the end, the best validation, the mean training reward of the fi
 steps, and the run's wall time), then per algorithm the mean training reward in blocks of 20 steps
 (the reward curve) and the validation accuracy at each validation, averaged over the seeds.
 Runs finished by an earlier call with the same --out are read again instead of being run.
+``--smoke`` (the same runs, only 2 steps each, validated at steps 0 and 2) fails unless every run logged
+both steps and both validations; without --out it runs in a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ALGORITHMS = ["grpo", "rloo", "reinforce_plus_plus", "remax", "dapo", "ppo"]
 ACC = "val/rlx/arith/acc"
+SMOKE_STEPS = 2
 
 
 def run(algorithm: str, seed: int, out: Path, extra: list[str]) -> float:
@@ -65,17 +71,36 @@ def mean(xs: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default 1-5 (with --smoke 1)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="runs at a time, each on one thread (2 on a 2-core machine; up to the cores elsewhere)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/builtin_learning"))
+    parser.add_argument("--out", type=Path, default=None, help="default outputs/builtin_learning (with --smoke "
+                        "a temporary folder: finished runs in --out are read again, not run)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seed 1 only (unless --seeds), {SMOKE_STEPS} steps per run, checked (CI)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.total_steps=60")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.seeds = args.seeds or ([1] if args.smoke else [1, 2, 3, 4, 5])
+    if args.smoke:
+        args.overrides = [f"trainer.total_steps={SMOKE_STEPS}", f"trainer.test_freq={SMOKE_STEPS}", *args.overrides]
+    with tempfile.TemporaryDirectory() as tmp:
+        args.out = args.out or (Path(tmp) if args.smoke else Path("outputs/builtin_learning"))
+        args.out.mkdir(parents=True, exist_ok=True)
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     runs = [(a, s) for a in args.algorithms for s in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         seconds = list(pool.map(lambda r: run(r[0], r[1], args.out, args.overrides), runs))
     results = {r: summarise(args.out / f"{r[0]}-s{r[1]}") | {"seconds": t} for r, t in zip(runs, seconds)}
+    if args.smoke:
+        bad = [f"{a} seed {s}: {r['steps']} steps, validations at {[step for step, _ in r['val']]}"
+               for (a, s), r in results.items()
+               if r["steps"] != SMOKE_STEPS or [step for step, _ in r["val"]] != [0, SMOKE_STEPS]
+               or not all(math.isfinite(x) for x in r["rewards"])]
+        if bad:
+            raise SystemExit("smoke run failed:\n  " + "\n  ".join(bad))
 
     print("| algorithm | seed | accuracy start -> end (best) | reward first 5 -> last 10 steps | steps | seconds |")
     print("| --- | --- | --- | --- | --- | --- |")

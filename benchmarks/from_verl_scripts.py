@@ -1,6 +1,7 @@
 """How many of verl's own launch scripts `rlx config from-verl` turns into a config rlx accepts.
 
     python benchmarks/from_verl_scripts.py VERL_CHECKOUT_OR_GIT_DIR [--show unmapped|refused|invalid|crash]
+    python benchmarks/from_verl_scripts.py --smoke    # CI: the 19 scripts of tests/data/verl_scripts (a second)
 
 Reads every ``examples/**.sh`` and ``recipe/**.sh`` of a verl checkout (or a bare git directory, read
 at HEAD) that starts ``verl.trainer.main_ppo``, translates it as ``rlx config from-verl`` does, and
@@ -12,7 +13,9 @@ error, e.g. a script bug such as a division by a variable set only later); inval
 validation refuses the config); crash (any other exception: a bug). Variables a script takes from its
 caller and does not default are given a placeholder value, as a user running the script would set them
 (only those: a variable the script defaults, ``${VAR:-default}``, keeps its default): 1 for a count, a
-path for a path, ``True`` for a ``use_``/``enable_`` switch, a word otherwise.
+path for a path, ``True`` for a ``use_``/``enable_`` switch, a word otherwise. ``--smoke`` reads the copies
+of verl's scripts in ``tests/data/verl_scripts`` (``<folder>__<name>.sh`` for ``examples/<folder>/<name>.sh``)
+instead of a checkout, and fails (exit 1) if a script crashed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def scripts(verl: Path) -> dict[str, str]:
         read = {str(p.relative_to(verl)): p.read_text(encoding="utf-8", errors="replace")
                 for top in ("examples", "recipe") for p in sorted((verl / top).rglob("*.sh"))}
     return {n: t for n, t in sorted(read.items()) if "main_ppo" in t}
+
+
+CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "verl_scripts"
+
+
+def corpus_scripts(folder: Path) -> dict[str, str]:
+    """{examples/<folder>/<name>.sh: text} of the test corpus's copies (``<folder>__<name>.sh``) that start main_ppo."""
+    read = {"examples/" + p.name.replace("__", "/", 1): p.read_text(encoding="utf-8", errors="replace")
+            for p in sorted(folder.glob("*.sh"))}
+    return {n: t for n, t in read.items() if "main_ppo" in t}
 
 
 def placeholder(name: str) -> str:
@@ -104,14 +117,18 @@ def classify(text: str, pm: object) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verl", type=Path)
+    parser.add_argument("verl", type=Path, nargs="?", help="a verl checkout or bare git directory (not with --smoke)")
     parser.add_argument("--show", choices=["unmapped", "refused", "invalid", "crash", "valid"], action="append",
                         default=[])
+    parser.add_argument("--smoke", action="store_true",
+                        help="the scripts of tests/data/verl_scripts instead of a checkout; exit 1 if one crashed")
     args = parser.parse_args()
+    if (args.verl is None) != args.smoke:
+        parser.error("give a verl checkout, or --smoke (and no checkout)")
     from rlx.registry import get_plugin_manager
 
     pm = get_plugin_manager()
-    found = scripts(args.verl)
+    found = corpus_scripts(CORPUS) if args.smoke else scripts(args.verl)
     classes: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     for name, text in found.items():
         kind, why = classify(text, pm)
@@ -123,6 +140,10 @@ def main() -> None:
         print(f"\n## {kind}")
         for name, why in classes[kind]:
             print(f"- {name}: " + re.sub(r"\s+", " ", why)[:400])
+    if args.smoke and (not found or classes["crash"]):
+        print("smoke run failed: " + ("no scripts found in " + str(CORPUS) if not found else "crashed on " +
+              ", ".join(name for name, _ in classes["crash"])), file=sys.stderr)
+        sys.exit(1)
     sys.exit(0)
 
 

@@ -8,6 +8,13 @@ weights rarely produce the end token, so every response runs to 256 tokens.
 
     pip install trl                     # TRL and its dependencies (datasets)
     python benchmarks/grpo_vs_trl.py OUT_DIR [--steps 5] [--parts gen,rlx,trl] [rlx dotted overrides...]
+    python benchmarks/grpo_vs_trl.py OUT_DIR --smoke    # CPU, seconds: a 2-layer model, 4 prompts x 2 samples (CI)
+
+``--smoke`` runs the same code (rlx's trainer and engine, and TRL's trainer when ``trl`` is importable) on
+the CPU in float32 with a 2-layer model of width 64 and a vocabulary of 512 (in OUT_DIR/smoke_model), 4
+prompts of 16 tokens x 2 samples of 8 tokens, 2 steps, every part; it fails (exit 1) if a part failed or a
+sampled token's log-prob differs from the training forward pass's by 1e-3 or more. Its times say nothing
+about the GPU run.
 
 Prints, from one run: each framework's seconds per step (mean of the steps after the first), their ratio,
 rlx's stage breakdown (its timing/* metrics), the peak GPU memory of each, the time to generate the 64 x 256
@@ -33,6 +40,13 @@ from rlx import hookimpl
 
 PROMPT_TOKENS, RESPONSE_TOKENS, PROMPTS, SAMPLES = 214, 256, 8, 8
 VOCAB = 151_936
+SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+         "num_key_value_heads": 2}
+DEVICE = "cuda"
+# --smoke: the sizes above and the device, for a CPU run of seconds
+SMOKE_SIZES = {"PROMPT_TOKENS": 16, "RESPONSE_TOKENS": 8, "PROMPTS": 4, "SAMPLES": 2, "VOCAB": 512, "DEVICE": "cpu",
+               "SHAPE": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2}}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 REWARD_FILE = '''
 def compute_score(response):
@@ -60,8 +74,7 @@ def build_model(path: Path, tokenizer_path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>")
     fast.chat_template = CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    config = Qwen2Config(vocab_size=VOCAB, **SHAPE, max_position_embeddings=32768,
                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                          pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
                          bos_token_id=fast.eos_token_id)
@@ -86,28 +99,45 @@ def write_data(out: Path, texts: list[str]) -> Path:
     return path
 
 
-def peak_gib() -> float:
+def on_gpu() -> bool:
+    return DEVICE.startswith("cuda")
+
+
+def record_peak(key: str) -> None:
+    """The peak GPU memory since the last ``fresh_peak`` (nothing on the CPU)."""
     import torch
 
-    return torch.cuda.max_memory_allocated() / 2**30
+    if on_gpu():
+        record(key, torch.cuda.max_memory_allocated() / 2**30)
 
 
 def fresh_peak() -> None:
     import torch
 
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if on_gpu():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sync() -> None:
+    import torch
+
+    if on_gpu():
+        torch.cuda.synchronize()
 
 
 def timed(fn: Any) -> float:
-    import torch
-
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
+
+
+def compute_dtype() -> str:
+    """The dtype of the runs' forward passes: bf16 on a GPU, float32 on the CPU (the smoke run)."""
+    return "bfloat16" if on_gpu() else "float32"
 
 
 # -- generation -----------------------------------------------------------------------------------------
@@ -148,21 +178,23 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
     tok = AutoTokenizer.from_pretrained(tok_dir)
     prompts = prompt_batch(tok, prompt_texts(PROMPTS, seed=1))
     params = SamplingParams(n=SAMPLES, max_tokens=RESPONSE_TOKENS)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, compute_dtype()))
+    reference = reference.to(DEVICE).eval()
 
     def agreement(out: Any) -> float:
         with torch.no_grad():
-            lp, _ = response_log_probs(reference, out.to("cuda"), 1.0, with_entropy=False)
-        mask = out["response_mask"].bool().cuda()
-        return float((lp - out["rollout_log_probs"].cuda()).abs()[mask].mean())
+            lp, _ = response_log_probs(reference, out.to(DEVICE), 1.0, with_entropy=False)
+        mask = out["response_mask"].bool().to(DEVICE)
+        return float((lp - out["rollout_log_probs"].to(DEVICE)).abs()[mask].mean())
 
-    engines = [("dynamic", {"decoder": "dynamic"}) if mode == "dynamic" else ("static", {"compile": mode})
-               for mode in variants]
+    # decoder=static: what "auto" is on a GPU, named so that the CPU smoke run takes the same path
+    engines = [("dynamic", {"decoder": "dynamic"}) if mode == "dynamic"
+               else ("static", {"decoder": "static", "compile": mode}) for mode in variants]
     for name, options in engines:
         label = f"gen/rlx_{name}" + (f"_{options['compile']}" if "compile" in options else "")
         try:
             fresh_peak()
-            engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512, **options), "cuda",
+            engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512, **options), DEVICE,
                                [tok.eos_token_id], tok.pad_token_id)
             first = timed(lambda e=engine: e.generate(prompts, params))
             record(f"{label}/first_call_s", first)
@@ -171,7 +203,7 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
             record(f"{label}/ms_per_token_step", 1000 * min(times) / RESPONSE_TOKENS)
             torch.manual_seed(3)
             out = engine.generate(prompts, params)
-            record(f"{label}/peak_gib", peak_gib())
+            record_peak(f"{label}/peak_gib")
             record(f"{label}/response_tokens", int(out["response_mask"].sum()))
             record(f"{label}/log_prob_abs_diff_vs_training_forward", agreement(out))
             if profile_dir is not None and options.get("compile") == "default":
@@ -187,8 +219,8 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
     # transformers' own path: static cache, the decode step compiled by generate itself
     try:
         fresh_peak()
-        ids = prompts["input_ids"].repeat_interleave(SAMPLES, 0).cuda()
-        mask = prompts["attention_mask"].repeat_interleave(SAMPLES, 0).cuda()
+        ids = prompts["input_ids"].repeat_interleave(SAMPLES, 0).to(DEVICE)
+        mask = prompts["attention_mask"].repeat_interleave(SAMPLES, 0).to(DEVICE)
         kwargs = {"max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS, "do_sample": True,
                   "cache_implementation": "static", "pad_token_id": tok.pad_token_id, "top_k": 0, "top_p": 1.0}
         with torch.no_grad():
@@ -197,7 +229,7 @@ def bench_generation(model_dir: Path, tok_dir: Path, variants: list[str], profil
             times = [timed(lambda: reference.generate(input_ids=ids, attention_mask=mask, **kwargs)) for _ in range(3)]
         record("gen/transformers_static_compile/s", min(times))
         record("gen/transformers_static_compile/ms_per_token_step", 1000 * min(times) / RESPONSE_TOKENS)
-        record("gen/transformers_static_compile/peak_gib", peak_gib())
+        record_peak("gen/transformers_static_compile/peak_gib")
     except Exception:
         traceback.print_exc()
         record("gen/transformers_static_compile/error", traceback.format_exc(limit=2).splitlines()[-1])
@@ -243,7 +275,8 @@ class HeldMemory:
     def rlx_on_step_end(self, step: int, metrics: Any) -> None:
         import torch
 
-        RESULTS[f"{self.name}/memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
+        if on_gpu():
+            RESULTS[f"{self.name}/memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
 
 
 def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int, extra: list[str],
@@ -256,8 +289,8 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     reward.write_text(REWARD_FILE)
     run_dir = out / f"{name}_run"
     overrides = [
-        f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}", "model.dtype=bfloat16", "trainer.device=cuda",
-        "backend.num_threads=4",
+        f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}", f"model.dtype={compute_dtype()}",
+        f"trainer.device={DEVICE}", f"backend.num_threads={4 if on_gpu() else 2}",
         f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_prompt_length={PROMPT_TOKENS}",
         f"data.max_response_length={RESPONSE_TOKENS}", f"data.train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
         "rollout.micro_batch_size=512", f"actor.ppo_mini_batch_size={PROMPTS}", "actor.ppo_epochs=1",
@@ -276,8 +309,9 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     start = time.perf_counter()
     Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
     record(f"{name}/wall_s", time.perf_counter() - start)
-    record(f"{name}/peak_gib", peak_gib())
-    record(f"{name}/memory_between_steps_gib", RESULTS.get(f"{name}/memory_between_steps_gib", float("nan")))
+    record_peak(f"{name}/peak_gib")
+    if on_gpu():
+        record(f"{name}/memory_between_steps_gib", RESULTS.get(f"{name}/memory_between_steps_gib", float("nan")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         print(f"  {name} step {r['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in r.items()
@@ -309,11 +343,11 @@ def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps
             self.start = 0.0
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            torch.cuda.synchronize()
+            sync()
             self.start = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            torch.cuda.synchronize()
+            sync()
             self.times.append(time.perf_counter() - self.start)
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
@@ -322,8 +356,8 @@ def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps
         output_dir=str(out / "trl_run"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
         num_generations=SAMPLES, max_completion_length=RESPONSE_TOKENS, steps_per_generation=1, num_iterations=1,
         learning_rate=1e-6, beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
-        bf16=True, use_vllm=False, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        model_init_kwargs={"dtype": torch.bfloat16},
+        bf16=on_gpu(), use_cpu=not on_gpu(), use_vllm=False, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        model_init_kwargs={"dtype": getattr(torch, compute_dtype())},
     )
     timer = StepTimes()
     fresh_peak()
@@ -332,7 +366,7 @@ def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps
     start = time.perf_counter()
     trainer.train()
     record("trl/wall_s", time.perf_counter() - start)
-    record("trl/peak_gib", peak_gib())
+    record_peak("trl/peak_gib")
     print("  trl step times: " + ", ".join(f"{t:.3g}" for t in timer.times), flush=True)
     steady = timer.times[1:] or timer.times
     record("trl/timing/step", sum(steady) / len(steady))
@@ -340,49 +374,82 @@ def bench_trl(out: Path, model_dir: Path, tok_dir: Path, texts: list[str], steps
     del trainer
 
 
-def main() -> None:
+def smoke_failures() -> list[str]:
+    """What makes the smoke run fail: a part's error, or sampled log-probs away from the training forward's."""
+    bad = [f"{k}: {v}" for k, v in RESULTS.items() if k.endswith("/error")]
+    bad += [f"{k}: {v:.3g} (>= 1e-3)" for k, v in RESULTS.items()
+            if k.endswith("/log_prob_abs_diff_vs_training_forward") and not v < 1e-3]
+    return bad
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up).")
-    ap.add_argument("--parts", default="trl,rlx,rlx_gc,gen",
+    ap.add_argument("--steps", type=int, default=None,
+                    help="GRPO steps per framework (the first is warm-up; default 5, with --smoke 2).")
+    ap.add_argument("--parts", default=None,
                     help="Comma-separated, run in this order: trl, rlx, rlx_gc (rlx with gradient checkpointing, "
                     "as TRL's default), rlx_bf16 (checkpointing and bf16 weights and AdamW states, as TRL), "
-                    "rlx_async (rlx with trainer.max_staleness=1: the next step generates beside training), gen.")
+                    "rlx_async (rlx with trainer.max_staleness=1: the next step generates beside training), gen. "
+                    "Default trl,rlx,rlx_gc,gen; with --smoke every part.")
+    ap.add_argument("--smoke", action="store_true",
+                    help="A tiny model on the CPU, seconds (CI): see above. TRL's part only if trl is importable.")
     ap.add_argument("--profile", action="store_true",
                     help="Profile the last step of each rlx part (top kernels, the GPU's idle gaps) and one "
                     "generate call (top kernels).")
-    ap.add_argument("--gen-variants", default="off,default,dynamic",
+    ap.add_argument("--gen-variants", default=None,
                     help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
-                    "and dynamic (the plain decode loop).")
+                    "and dynamic (the plain decode loop). Default off,default,dynamic; with --smoke off,dynamic "
+                    "(the CPU does not compile the decode step).")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
+    if args.smoke and args.profile:
+        ap.error("--profile records GPU kernels: not with --smoke")
+    parts = (args.parts or ("trl,rlx,rlx_gc,rlx_bf16,rlx_async,gen" if args.smoke else "trl,rlx,rlx_gc,gen")).split(",")
+    unknown = [p for p in parts if p not in ("trl", "rlx", "rlx_gc", "rlx_bf16", "rlx_async", "gen")]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}")
+    steps = args.steps or (2 if args.smoke else 5)
+    gen_variants = (args.gen_variants or ("off,dynamic" if args.smoke else "off,default,dynamic")).split(",")
+    import importlib.util
+
     import torch
     import transformers
 
+    if args.smoke:
+        globals().update(SMOKE_SIZES)
+        if "trl" in parts and importlib.util.find_spec("trl") is None:
+            parts.remove("trl")
+            print("smoke: trl is not importable, so only rlx's parts run (pip install trl to run TRL's too)",
+                  flush=True)
+    elif not torch.cuda.is_available():
+        print("grpo_vs_trl.py: no GPU here (--smoke runs a tiny version on the CPU)", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     record("versions", f"torch {torch.__version__}, transformers {transformers.__version__}, "
-                       f"GPU {torch.cuda.get_device_name()}")
-    model_dir, tok_dir = args.out / "model", args.out / "tokenizer"
+                       + (f"GPU {torch.cuda.get_device_name()}" if on_gpu() else "CPU (smoke)"))
+    # the smoke run's tiny model apart from the full-size one that OUT_DIR may hold
+    prefix = "smoke_" if args.smoke else ""
+    model_dir, tok_dir = args.out / f"{prefix}model", args.out / f"{prefix}tokenizer"
     if not (model_dir / "config.json").exists() or not (tok_dir / "tokenizer.json").exists():
         build_model(model_dir, tok_dir)
-    texts = prompt_texts(PROMPTS * args.steps)
+    texts = prompt_texts(PROMPTS * steps)
     data = write_data(args.out, texts)
-    sections = {"gen": lambda: bench_generation(model_dir, tok_dir, args.gen_variants.split(","),
-                                                args.out if args.profile else None),
-                "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps, args.overrides,
+    sections = {"gen": lambda: bench_generation(model_dir, tok_dir, gen_variants, args.out if args.profile else None),
+                "rlx": lambda: bench_rlx(args.out, model_dir, tok_dir, data, steps, args.overrides,
                                          profile_path=args.out / "step_profile.txt" if args.profile else None),
-                "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                "rlx_gc": lambda: bench_rlx(args.out, model_dir, tok_dir, data, steps,
                                             ["model.gradient_checkpointing=true", *args.overrides], "rlx_gc",
                                             args.out / "rlx_gc_step_profile.txt" if args.profile else None),
-                "rlx_bf16": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                "rlx_bf16": lambda: bench_rlx(args.out, model_dir, tok_dir, data, steps,
                                               ["model.gradient_checkpointing=true", "actor.model_dtype=bfloat16",
                                                *args.overrides], "rlx_bf16",
                                               args.out / "rlx_bf16_step_profile.txt" if args.profile else None),
-                "rlx_async": lambda: bench_rlx(args.out, model_dir, tok_dir, data, args.steps,
+                "rlx_async": lambda: bench_rlx(args.out, model_dir, tok_dir, data, steps,
                                                ["trainer.max_staleness=1", *args.overrides], "rlx_async",
                                                args.out / "rlx_async_step_profile.txt" if args.profile else None),
-                "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, args.steps)}
-    for name in args.parts.split(","):
+                "trl": lambda: bench_trl(args.out, model_dir, tok_dir, texts, steps)}
+    for name in parts:
         print(f"== {name}", flush=True)
         try:
             sections[name]()
@@ -400,6 +467,10 @@ def main() -> None:
         record("ideal_async_over_sync", max(gen, train) / max(gen + train, 1e-9))
     (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print(json.dumps(RESULTS, indent=1))
+    if args.smoke and (bad := smoke_failures()):
+        print("smoke run failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,12 +5,18 @@ an actor update: forward and backward GEMMs of the same model's width), optional
 into green contexts (SMs split between them).
 
     python benchmarks/overlap_probe.py OUT_DIR [--green]   # OUT_DIR: where the benchmark's model is (or goes)
+    python benchmarks/overlap_probe.py OUT_DIR --smoke     # CI: the CPU part, with grpo_vs_trl.py's tiny sizes
 
 Prints each variant's generation seconds and the matrix products done meanwhile (TFLOP/s).
+
+Side streams and green contexts exist only on a GPU: ``--smoke`` (grpo_vs_trl.py's tiny model, on the CPU)
+runs the variants without them (generation in the main thread; in a thread alone; in a thread beside float32
+matrix products of width 64) and prints the others as skipped.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import time
@@ -19,30 +25,42 @@ from typing import Any
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--green", action="store_true", help="also green contexts (SMs split between the two)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, the variants it can run (CI)")
+    args = ap.parse_args()
     import torch
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from grpo_vs_trl import PROMPTS, SAMPLES, build_model, prompt_batch, prompt_texts
+    import grpo_vs_trl as bench
 
     from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
     from rlx.protocols import SamplingParams
 
-    out = Path(sys.argv[1])
-    model_dir, tok_dir = out / "model", out / "tokenizer"
+    out, prefix = args.out, "smoke_" if args.smoke else ""
+    if args.smoke:
+        vars(bench).update(bench.SMOKE_SIZES)  # the tiny model, prompts and device of its own smoke run
+    elif not torch.cuda.is_available():
+        print("overlap_probe.py: no GPU here (--smoke runs its CPU part)", file=sys.stderr)
+        sys.exit(2)
+    device = bench.DEVICE
+    model_dir, tok_dir = out / f"{prefix}model", out / f"{prefix}tokenizer"  # as grpo_vs_trl.py's
     if not (model_dir / "config.json").exists():
         out.mkdir(parents=True, exist_ok=True)
-        build_model(model_dir, tok_dir)
+        bench.build_model(model_dir, tok_dir)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512), "cuda",
+    engine = HFRollout(str(model_dir), HFRolloutOptions(micro_batch_size=512, decoder="static"), device,
                        [tok.eos_token_id], tok.pad_token_id)
-    prompts = prompt_batch(tok, prompt_texts(PROMPTS))
-    params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=256)
+    prompts = bench.prompt_batch(tok, bench.prompt_texts(bench.PROMPTS))
+    params = SamplingParams(n=bench.SAMPLES, temperature=1.0, max_tokens=bench.RESPONSE_TOKENS)
     engine.generate(prompts, params)  # compile and record
-    torch.cuda.synchronize()
+    bench.sync()
 
-    a = torch.randn(16384, 896, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16)
+    width, inner, dtype = ((64, 128, torch.float32) if args.smoke else (896, 4864, torch.bfloat16))
+    a = torch.randn(16384, width, device=device, dtype=dtype)
+    w = torch.randn(width, inner, device=device, dtype=dtype)
 
     def gen_seconds(stream: Any = None) -> float:
         start = time.perf_counter()
@@ -64,10 +82,14 @@ def main() -> None:
 
     print(f"main thread alone: generation {gen_seconds():.3f} s", flush=True)
     variant("thread, default stream, alone", None, False)
+    if args.smoke:
+        variant("thread, beside matrix products (the CPU: no streams)", None, True)
+        print("smoke: side streams, high-priority streams and green contexts skipped (a GPU only)", flush=True)
+        return
     variant("thread, side stream, alone", torch.cuda.Stream(), False)
     variant("thread, side stream, beside matrix products", torch.cuda.Stream(), True)
     variant("thread, high-priority stream, beside matrix products", torch.cuda.Stream(priority=-1), True)
-    if "--green" not in sys.argv:
+    if not args.green:
         return
     # Green contexts (SMs split between the two threads): cuDNN's attention refused to run in one here, so
     # attention goes through the flash / memory-efficient kernels.
@@ -140,7 +162,8 @@ def products_beside(thread: threading.Thread, a: Any, w: Any) -> float:
         for _ in range(20):
             (a @ w).sum()
         products += 20
-        torch.cuda.synchronize()
+        if a.is_cuda:
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return products * 2 * a.shape[0] * a.shape[1] * w.shape[1] / max(seconds, 1e-9) / 1e12
 
