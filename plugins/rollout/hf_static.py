@@ -23,7 +23,8 @@ the new key/value and reads each row's own columns only (its prompt start to the
 cache's whole length). The prefill runs the model's own forward for many prompts at once. Every 16 steps
 the rows still decoding move to the front and the step runs at the smallest power-of-two bucket that holds
 them (one recorded graph per bucket, one compilation for all, the batch dimension symbolic), so rows that
-finished are not decoded any more. Sampling runs inside the compiled step; only its noise is drawn apart.
+finished are not decoded any more. Sampling runs inside the compiled step; on a GPU without top-k or top-p it
+is one Triton pass over the logits that draws its own noise (``hf_kernels``, ``rlx::race_sample``).
 """
 
 from __future__ import annotations
@@ -504,8 +505,10 @@ class SlotDecoder:
     bucket that holds them (on CUDA one recorded graph per bucket), so finished rows cost nothing."""
 
     def __init__(self, model: Any, weights: FusedWeights, batch: int, prompt_len: int, max_tokens: int,
-                 sampler: Sampler, stop: list[int], use_graph: bool, pool: Any) -> None:
+                 sampler: Sampler, stop: list[int], use_graph: bool, pool: Any, fused: bool = True) -> None:
         import torch
+
+        from rlx.plugins.rollout import hf_kernels
 
         self.model, self.w, self.sampler = model, weights, sampler
         self.batch, self.prompt_len, self.max_tokens = batch, prompt_len, max_tokens
@@ -524,7 +527,12 @@ class SlotDecoder:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(batch, max_tokens, **long)  # by output row
         self.log_probs = torch.zeros(batch, max_tokens, dtype=torch.float32, device=device)
-        self.noise = None if sampler.greedy else torch.zeros(batch, model.config.vocab_size, device=device)
+        # Sampling fused into one Triton pass over the logits (rlx::race_sample) on a GPU: its noise is drawn in
+        # the kernel from a seed redrawn each step, so no (rows, vocabulary) noise buffer is kept.
+        self.fused = bool(fused and sampler.plain and hf_kernels.race_available(device))
+        self.seed = torch.zeros(1, **long)
+        self.noise = None if sampler.greedy or self.fused else torch.zeros(batch, model.config.vocab_size,
+                                                                           device=device)
         self.stop = torch.tensor(sorted(set(stop)) or [-1], **long)
         self.step_fn: Any = self._choose  # (tok, pos, start, noise) -> (token, log-prob); the engine may compile it
         self.compiled = False
@@ -537,6 +545,11 @@ class SlotDecoder:
         import torch
 
         logits = slot_forward(self.w, tok, pos, start, self.slot, self.k_caches, self.v_caches)
+        if self.fused:
+            from rlx.plugins.rollout.hf_kernels import race_op
+
+            inv_t = 1.0 if self.sampler.greedy else 1.0 / self.sampler.temperature
+            return race_op()(logits, inv_t, noise, self.sampler.greedy)
         if self.sampler.plain:
             return self.sampler.race(logits, noise)
         log_probs = self.sampler.log_probs(logits)
@@ -552,12 +565,16 @@ class SlotDecoder:
         import torch
 
         noise = None
-        if self.noise is not None:
+        if self.fused:  # the kernel's seed, drawn afresh at every replay of a recorded graph
+            noise = self.seed
+            if not self.sampler.greedy:
+                noise.random_(0, 2**31 - 1)
+        elif self.noise is not None:
             noise = self.noise[:b]
             noise.exponential_()
         tok, pos, start = self.tok[:b], self.pos[:b], self.start[:b]
         if self.compiled:  # one compilation for every bucket
-            for t in (tok, pos, start) + ((noise,) if noise is not None else ()):
+            for t in (tok, pos, start) + ((noise,) if noise is not None and not self.fused else ()):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         token, log_prob = self.step_fn(tok, pos, start, noise)
         rows = self.row[:b]
@@ -704,6 +721,7 @@ class StaticEngine:
         self.weights: FusedWeights | None = None
         self.pool: Any = None
         self.compile_failed = False
+        self.fused_kernels = True  # rlx's Triton sampling kernel in the slot decoder (off after a failure)
 
     def clear(self) -> None:
         """Forget every cache and graph (the graphs hold the weights' addresses, which a move changes)."""
@@ -746,7 +764,7 @@ class StaticEngine:
         decoder: StaticDecoder | SlotDecoder
         if weights is not None:
             decoder = SlotDecoder(self.model, weights, batch, prompt_len, max_tokens, sampler, stop, self.use_graph,
-                                  self.pool)
+                                  self.pool, fused=self.fused_kernels)
         else:
             decoder = StaticDecoder(self.model, batch, prompt_len, max_tokens, sampler, stop, self.use_graph,
                                     self.pool)
@@ -770,18 +788,24 @@ class StaticEngine:
         ids[:b, width - p:] = input_ids
         mask[:b, width - p:] = attention_mask
         ids[b:], mask[b:] = ids[0], mask[0]  # filler rows: copies of a real prompt, dropped below
-        decoder = self._decoder(rows, width, max_tokens, sampler, stop)
-        try:
-            tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
-        except Exception as exc:  # a compiler failure must not end the run: decode uncompiled
-            if self.compile_mode == "off" or self.compile_failed:
-                raise
-            warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
-                          "decoding without compilation.", RuntimeWarning, stacklevel=2)
-            self.compile_failed = True
-            self.clear()
+        while True:
             decoder = self._decoder(rows, width, max_tokens, sampler, stop)
-            tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
+            try:
+                tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
+                break
+            except Exception as exc:  # a kernel's or the compiler's failure must not end the run: fall back
+                what = f"{type(exc).__name__}: {exc}"
+                if getattr(decoder, "fused", False):
+                    warnings.warn(f"rlx's fused sampling kernel failed ({what}); sampling with torch's operations.",
+                                  RuntimeWarning, stacklevel=2)
+                    self.fused_kernels = False
+                elif self.compile_mode != "off" and not self.compile_failed:
+                    warnings.warn(f"torch.compile of the decode step failed ({what}); decoding without "
+                                  "compilation.", RuntimeWarning, stacklevel=2)
+                    self.compile_failed = True
+                else:
+                    raise
+                self.clear()
         return tokens[:b], log_probs[:b]
 
     @staticmethod

@@ -313,3 +313,57 @@ def test_slot_attention_kernel_equals_reference(dtype):
         for c, r in zip(caches, ref_caches, strict=True):
             r[:b].index_copy_(2, at, (k if c is caches[0] else v).unsqueeze(2))
             assert torch.equal(c, r)
+
+
+@pytest.fixture
+def fused_race(monkeypatch):
+    """The slot decoder's fused sampling path (rlx::race_sample) on the CPU: the op runs its torch reference
+    here, so the decoder's plumbing (the seed drawn each step, the temperature, greedy) is what is tested; the
+    Triton kernel itself is tests/plugins/rollout/test_hf_kernels_triton.py's."""
+    from rlx.plugins.rollout import hf_kernels
+
+    monkeypatch.setattr(hf_kernels, "race_available", lambda device: True)
+    return hf_kernels
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_sampling_path_samples_the_policy(policy, prompts, fused_race, temperature):
+    """Through rlx::race_sample: no (rows, vocabulary) noise buffer; every recorded log-prob is the training
+    forward's at the temperature; a prompt's samples differ; greedy decodes as the dynamic cache does."""
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    out = run(rollout, prompts, seed=4, n=6, max_tokens=40, temperature=temperature, stop_token_ids=(5,))
+    decoder = list(rollout.static.decoders.values())[-1]
+    assert decoder.fused and decoder.noise is None
+    mask = out["response_mask"].bool()
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out, temperature, with_entropy=False)
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+    rows = out["responses"].view(3, 6, -1)
+    assert all(len({tuple(r.tolist()) for r in rows[i]}) > 1 for i in range(3))
+    dynamic = engine(policy, decoder="dynamic")
+    a = run(rollout, prompts, n=2, max_tokens=9, greedy=True)
+    b = run(dynamic, prompts, n=2, max_tokens=9, greedy=True)
+    assert list(rollout.static.decoders.values())[-1].fused
+    assert torch.equal(a["responses"], b["responses"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_a_failing_fused_kernel_falls_back_to_torchs_sampling(policy, prompts, fused_race, monkeypatch):
+    """A fused sampling kernel that fails (a GPU whose Triton cannot build it) warns once and the engine samples
+    with torch's operations from then on: the run goes on with the same law."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(fused_race, "race_reference", broken)
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    with pytest.warns(RuntimeWarning, match="fused sampling kernel failed"):
+        out = run(rollout, prompts, seed=4, n=2, max_tokens=12, temperature=1.0)
+    assert calls and not rollout.static.fused_kernels
+    assert not list(rollout.static.decoders.values())[-1].fused
+    mask = out["response_mask"].bool()
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out, 1.0, with_entropy=False)
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)

@@ -1,0 +1,107 @@
+"""The decode step's Triton sampling kernels (``rlx.plugins.rollout.hf_kernels``) against torch's numbers.
+
+On a machine without a GPU these run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
+Triton is imported), which executes the kernels on CPU tensors: it checks what they compute, not their speed
+or the GPU's limits. Triton is not part of rlx's dependencies; the module skips where it is not installed::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/plugins/rollout/test_hf_kernels_triton.py   # pip install triton
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+pytest.importorskip("triton")
+
+from rlx.plugins.rollout.hf_kernels import _triton_race
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def race(logits: torch.Tensor, inv_t: float, seed: int, greedy: bool, block: int) -> tuple[torch.Tensor, ...]:
+    run = _triton_race()
+    assert run is not None
+    return run(logits.to(DEVICE), inv_t, torch.tensor([seed], device=DEVICE), greedy, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_the_arg_max_and_its_log_prob(dtype: torch.dtype) -> None:
+    """Greedy: the arg-max of each row and its log-prob under softmax(x / T), across several vocabulary blocks
+    (300 entries in blocks of 64, the last one partial), bf16 and float32 logits."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 300, generator=g) * 3).to(dtype)
+    token, log_prob = race(logits, 1 / 0.7, 0, True, 64)
+    x = logits.float() / 0.7
+    assert torch.equal(token.cpu(), x.argmax(-1))
+    want = torch.log_softmax(x, -1).gather(-1, token.cpu()[:, None]).squeeze(-1)
+    torch.testing.assert_close(log_prob.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_draws_follow_the_softmax_at_the_temperature() -> None:
+    """1,000 draws from one row's logits (40 tokens, one block) fall on each token with its softmax
+    probability at the temperature (each frequency within 4.5 standard errors), and each draw's log-prob is the
+    log-softmax at the drawn token. (The interpreter runs one program at a time: a few thousand take seconds.)"""
+    logits = torch.linspace(-2.0, 2.0, 40)[torch.randperm(40, generator=torch.Generator().manual_seed(1))]
+    rows = 1000
+    for inv_t in (1.0, 2.0):
+        token, log_prob = race(logits.expand(rows, -1).contiguous(), inv_t, 1234, False, 64)
+        p = torch.softmax(logits * inv_t, -1)
+        freq = torch.bincount(token.cpu(), minlength=40).double() / rows
+        se = (p.double() * (1 - p.double()) / rows).sqrt()
+        assert ((freq - p.double()).abs() <= 4.5 * se + 1e-9).all(), (freq - p).abs().max()
+        torch.testing.assert_close(log_prob.cpu(), torch.log_softmax(logits * inv_t, -1)[token.cpu()], atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_seeds_and_rows_draw_their_own_numbers() -> None:
+    """The same seed gives the same tokens; another seed other tokens; rows with identical logits draw apart."""
+    logits = torch.zeros(64, 1000)  # uniform: every token equally likely
+    a, _ = race(logits, 1.0, 5, False, 512)
+    b, _ = race(logits, 1.0, 5, False, 512)
+    c, _ = race(logits, 1.0, 6, False, 512)
+    assert torch.equal(a, b)
+    assert (a != c).float().mean() > 0.9
+    assert len(set(a.tolist())) > 55  # 64 rows over 1000 tokens: nearly all distinct
+
+
+def test_the_decode_step_samples_through_the_kernel(tiny_model_path: str, tmp_path) -> None:
+    """The hf engine's slot decoder on the tiny model with the kernel in its step (the interpreter's CPU tensors
+    here): every recorded log-prob is the training forward's, a prompt's samples differ, and each step draws
+    new numbers (a row's tokens are not one token repeated)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlx.plugins.modeling.head import response_log_probs
+    from rlx.plugins.rollout.hf import HFRollout, HFRolloutOptions
+    from rlx.protocols import SamplingParams
+    from rlx.run.data import PromptExample, collate
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    torch.manual_seed(1234)
+    with torch.no_grad():  # random weights: spread-out distributions (the built-in model answers a digit)
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    rollout = HFRollout(str(tmp_path), HFRolloutOptions(decoder="static", prompt_bucket=8, compile="off"), DEVICE,
+                        [tok.eos_token_id], tok.pad_token_id)
+    ids = [[11, 23, 37, 5, 8], [42, 17], [3, 4, 5, 6, 7, 9]]
+    prompts = collate([PromptExample(x, tok.decode(x), "s", str(i), {}) for i, x in enumerate(ids)], tok.pad_token_id)
+    torch.manual_seed(0)
+    out = rollout.generate(prompts, SamplingParams(n=4, max_tokens=10, temperature=1.0))
+    decoder = list(rollout.static.decoders.values())[-1]
+    assert decoder.fused and decoder.noise is None
+    mask = out["response_mask"].bool()
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out, 1.0, with_entropy=False)
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+    rows = out["responses"].view(3, 4, -1)
+    assert all(len({tuple(r.tolist()) for r in rows[i]}) > 1 for i in range(3))
+    assert all(len(set(r[m].tolist())) > 1 for r, m in zip(out["responses"], mask) if m.sum() > 3)
