@@ -44,10 +44,12 @@ smoke gpu_step "$PY" benchmarks/gpu_step.py "$TMP/gpu_step" --smoke
 smoke overlap_probe "$PY" benchmarks/overlap_probe.py "$TMP/overlap_probe" --smoke
 smoke builtin_learning "$PY" benchmarks/builtin_learning.py --smoke --out "$TMP/builtin_learning"
 smoke from_verl_scripts "$PY" benchmarks/from_verl_scripts.py --smoke
-# perf_report.py reads the JSON of decode_speed.py and grpo_vs_trl.py (its two GRPO settings); its megatron group
-# runs megatron_step.py, whose line comes with the megatron change.
-smoke perf_report "$PY" benchmarks/perf_report.py "$TMP/perf_report" --smoke --only decode,step
-# megatron_step.py: added by the megatron change
+# megatron_step.py: a 2-layer model through megatron-core's local layers on one gloo rank (its DDP and optimizer
+# need CUDA), eager and with compiled layers, and the row's arithmetic (needs the megatron extra).
+smoke megatron_step "$PY" benchmarks/megatron_step.py step --smoke --variants default budget64+compile \
+    --json "$TMP/megatron_step.jsonl"
+# perf_report.py reads the JSON of decode_speed.py, grpo_vs_trl.py (its two GRPO settings) and megatron_step.py.
+smoke perf_report "$PY" benchmarks/perf_report.py "$TMP/perf_report" --smoke
 
 printf '== %d s in all\n' $((SECONDS - total_start))
 if [ ${#failed[@]} -gt 0 ]; then
