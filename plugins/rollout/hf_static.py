@@ -359,7 +359,15 @@ def attend_reference(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: 
 
 @functools.cache
 def _triton_attention() -> Any:
-    """The CUDA attention kernel (flash decoding over each row's own columns), or None without Triton."""
+    """The CUDA attention kernel (flash decoding over each row's own columns), or None without Triton.
+
+    One program per (row, key/value head, split): the cache's columns are cut into ``splits`` equal ranges and
+    each program attends its row's query heads to the columns of its range that lie between the row's start and
+    the current column; split 0 also takes the new key/value (from registers) and writes it into the cache. With
+    one split the program writes the output; with more, each writes its running maximum, sum and weighted values
+    and a second kernel combines them. Splits give the GPU work when the rows and heads alone are too few
+    programs to fill it (64 rows of 2 key/value heads: 128 programs on 132 multiprocessors, each reading a long
+    row alone)."""
     try:
         import triton
         import triton.language as tl
@@ -367,60 +375,123 @@ def _triton_attention() -> Any:
         return None
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, o_ptr, scale,
-               s_qb, s_qh, s_kb, s_kh, s_cb, s_ch, s_cl, s_ob, s_oh,
-               REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    def kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, o_ptr, pm_ptr, pt_ptr, pa_ptr, scale,
+               s_qb, s_qh, s_kb, s_kh, s_cb, s_ch, s_cl, s_ob, s_oh, chunk,
+               REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+               SPLITS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
+        split = tl.program_id(2)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
         real = r < REP
         q = tl.load(q_ptr + row * s_qb + (group * REP + r)[:, None] * s_qh + d[None, :], mask=real[:, None],
                     other=0.0)
-        k_new = tl.load(k_ptr + row * s_kb + group * s_kh + d)
-        v_new = tl.load(v_ptr + row * s_kb + group * s_kh + d)
         start = tl.load(start_ptr + row)
         slot = tl.load(slot_ptr)
         cache = row * s_cb + group * s_ch
-        tl.store(kc_ptr + cache + slot * s_cl + d, k_new)
-        tl.store(vc_ptr + cache + slot * s_cl + d, v_new)
-        # the new column first, from registers
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
-        m = tl.where(real, m, 0.0)
-        total = tl.full([REP_PAD], 1.0, dtype=tl.float32)
-        acc = tl.zeros([REP_PAD, D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
-        lo = (start // BLOCK) * BLOCK
-        for s in range(lo, slot, BLOCK):
+        if split == 0:  # the new column: written into the cache, attended from registers
+            k_new = tl.load(k_ptr + row * s_kb + group * s_kh + d)
+            v_new = tl.load(v_ptr + row * s_kb + group * s_kh + d)
+            tl.store(kc_ptr + cache + slot * s_cl + d, k_new)
+            tl.store(vc_ptr + cache + slot * s_cl + d, v_new)
+            m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+            m = tl.where(real, m, 0.0)
+            total = tl.full([REP_PAD], 1.0, dtype=tl.float32)
+            acc = tl.zeros([REP_PAD, D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
+        else:
+            m = tl.full([REP_PAD], float("-inf"), dtype=tl.float32)
+            total = tl.zeros([REP_PAD], dtype=tl.float32)
+            acc = tl.zeros([REP_PAD, D], dtype=tl.float32)
+        first = tl.maximum(start, split * chunk)
+        last = tl.minimum(slot, (split + 1) * chunk)
+        lo = (first // BLOCK) * BLOCK
+        for s in range(lo, last, BLOCK):
             n = s + tl.arange(0, BLOCK)
-            valid = (n >= start) & (n < slot)
+            valid = (n >= first) & (n < last)
             keys = tl.load(kc_ptr + cache + n[:, None] * s_cl + d[None, :], mask=valid[:, None], other=0.0)
             values = tl.load(vc_ptr + cache + n[:, None] * s_cl + d[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(keys)) * scale  # (REP_PAD, BLOCK), float32
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with no column yet
+            p = tl.exp(scores - safe[:, None])
+            alpha = tl.exp(m - safe)
             total = total * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
             m = m_new
-        out = acc / total[:, None]
-        tl.store(o_ptr + row * s_ob + (group * REP + r)[:, None] * s_oh + d[None, :], out.to(q.dtype),
-                 mask=real[:, None])
+        if SPLITS == 1:
+            out = acc / total[:, None]
+            tl.store(o_ptr + row * s_ob + (group * REP + r)[:, None] * s_oh + d[None, :], out.to(q.dtype),
+                     mask=real[:, None])
+        else:
+            part = ((row * tl.num_programs(1) + group) * SPLITS + split) * REP_PAD + r
+            tl.store(pm_ptr + part, m)
+            tl.store(pt_ptr + part, total)
+            tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
 
-    def run(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: Any, slot: Any, scale: float) -> Any:
+    @triton.jit
+    def combine(pm_ptr, pt_ptr, pa_ptr, o_ptr, s_ob, s_oh, REP: tl.constexpr, REP_PAD: tl.constexpr,
+                D: tl.constexpr, SPLITS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        r = tl.arange(0, REP_PAD)
+        d = tl.arange(0, D)
+        base = (row * tl.num_programs(1) + group) * SPLITS * REP_PAD
+        top = tl.full([REP_PAD], float("-inf"), dtype=tl.float32)
+        for i in range(SPLITS):
+            top = tl.maximum(top, tl.load(pm_ptr + base + i * REP_PAD + r))
+        total = tl.zeros([REP_PAD], dtype=tl.float32)
+        acc = tl.zeros([REP_PAD, D], dtype=tl.float32)
+        for i in range(SPLITS):
+            at = base + i * REP_PAD + r
+            w = tl.exp(tl.load(pm_ptr + at) - top)  # 0 for a split that saw no column
+            total += w * tl.load(pt_ptr + at)
+            acc += w[:, None] * tl.load(pa_ptr + at[:, None] * D + d[None, :])
+        out = acc / total[:, None]
+        tl.store(o_ptr + row * s_ob + (group * REP + r)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(r < REP)[:, None])
+
+    def run(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: Any, slot: Any, scale: float,
+            splits: int | None = None) -> Any:
         import torch
 
         b, heads, d = q.shape
-        kv_heads = k_cache.shape[1]
+        kv_heads, length = k_cache.shape[1], k_cache.shape[2]
         rep = heads // kv_heads
+        rep_pad = max(16, triton.next_power_of_2(rep))
+        block = 64
+        if splits is None:
+            splits = attention_splits(b * kv_heads, length, q.device, block)
+        chunk = -(-length // splits)
         out = torch.empty_like(q)
-        kernel[(b, kv_heads)](q, k, v, k_cache, v_cache, start, slot, out, scale,
-                              q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-                              REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK=64, num_warps=4)
+        if splits > 1:
+            f32 = {"dtype": torch.float32, "device": q.device}
+            pm = torch.empty(b * kv_heads * splits * rep_pad, **f32)
+            pt = torch.empty_like(pm)
+            pa = torch.empty(b * kv_heads * splits * rep_pad * d, **f32)
+        else:
+            pm = pt = pa = out  # not read
+        kernel[(b, kv_heads, splits)](q, k, v, k_cache, v_cache, start, slot, out, pm, pt, pa, scale,
+                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), k_cache.stride(0),
+                                      k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), chunk,
+                                      REP=rep, REP_PAD=rep_pad, D=d, BLOCK=block, SPLITS=splits, num_warps=4)
+        if splits > 1:
+            combine[(b, kv_heads)](pm, pt, pa, out, out.stride(0), out.stride(1), REP=rep, REP_PAD=rep_pad, D=d,
+                                   SPLITS=splits, num_warps=4)
         return out
 
     return run
+
+
+def attention_splits(programs: int, length: int, device: Any, block: int = 64) -> int:
+    """How many ranges the decode attention cuts each row's cache into: enough (row, head) programs for about
+    two per multiprocessor, each range at least 2 blocks of columns long, at most 16 ranges."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if str(device).startswith("cuda") else 132
+    want = -(-2 * sms // max(programs, 1))
+    return max(1, min(want, length // (2 * block), 16))
 
 
 def triton_usable(q: Any, k_cache: Any) -> bool:

@@ -105,3 +105,47 @@ def test_the_decode_step_samples_through_the_kernel(tiny_model_path: str, tmp_pa
     rows = out["responses"].view(3, 4, -1)
     assert all(len({tuple(r.tolist()) for r in rows[i]}) > 1 for i in range(3))
     assert all(len(set(r[m].tolist())) > 1 for r, m in zip(out["responses"], mask) if m.sum() > 3)
+
+
+# bf16 only on a GPU: Triton's interpreter gets bf16 matrix products wrong (the unsplit kernel too)
+HALF = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_decode_attention_in_splits_equals_the_reference(splits: int, dtype: torch.dtype) -> None:
+    """The slot attention kernel with its columns cut into ranges (``splits``; 1 is the unsplit kernel) equals
+    the plain-torch reference, caches included: rows of different starts, one with no earlier column, one whose
+    columns all lie in the last range, grouped query heads (7 per key/value head, padded to 16)."""
+    from rlx.plugins.rollout.hf_static import _triton_attention, attend_reference
+
+    torch.manual_seed(0)
+    b, cap, heads, kv_heads, d, length, slot = 5, 8, 14, 2, 64, 300, 260
+    q = torch.randn(b, heads, d, dtype=dtype)
+    k, v = (torch.randn(b, kv_heads, d, dtype=dtype) for _ in range(2))
+    caches = [torch.randn(cap, kv_heads, length, d, dtype=dtype) for _ in range(2)]
+    start = torch.tensor([0, 37, slot, 250, 129])  # row 2: no earlier column; row 3: the last range only
+    at = torch.tensor([slot])
+    ref = [c.clone() for c in caches]
+    got = _triton_attention()(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), *(c.to(DEVICE) for c in caches),
+                              start.to(DEVICE), at.to(DEVICE), d ** -0.5, splits=splits)
+    want = attend_reference(q.float(), k.float(), v.float(), *(c.float() for c in ref), start, at, d ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want, atol=tol, rtol=tol)
+
+
+def test_the_new_column_is_written_once_into_the_cache() -> None:
+    """Split 0 alone writes the new key and value at the current column of every row (the other splits read)."""
+    from rlx.plugins.rollout.hf_static import _triton_attention
+
+    torch.manual_seed(1)
+    b, kv_heads, d, length, slot = 3, 2, 64, 200, 150
+    q = torch.randn(b, 4, d)
+    k, v = torch.randn(b, kv_heads, d), torch.randn(b, kv_heads, d)
+    caches = [torch.zeros(4, kv_heads, length, d) for _ in range(2)]
+    _triton_attention()(q, k, v, caches[0], caches[1], torch.zeros(b, dtype=torch.long), torch.tensor([slot]),
+                        d ** -0.5, splits=3)
+    assert torch.equal(caches[0][:b, :, slot], k) and torch.equal(caches[1][:b, :, slot], v)
+    caches[0][:b, :, slot] = 0
+    caches[1][:b, :, slot] = 0
+    assert not caches[0].any() and not caches[1].any()

@@ -290,10 +290,12 @@ def test_fused_weights_follow_updates_and_sleep(policy, prompts):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_slot_attention_kernel_equals_reference(dtype):
-    """The Triton decode attention (each row from its own first column, the new key/value from registers)
-    equals the plain-torch reference, caches included, on rows of different starts."""
-    from rlx.plugins.rollout.hf_static import attend_reference, attention_op, triton_usable
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_slot_attention_kernel_equals_reference(dtype, splits):
+    """The Triton decode attention (each row from its own first column, the new key/value from registers; its
+    columns in one range or several combined, ``None``: as many as the op chooses) equals the plain-torch
+    reference, caches included, on rows of different starts."""
+    from rlx.plugins.rollout.hf_static import _triton_attention, attend_reference, attention_op, triton_usable
 
     torch.manual_seed(0)
     for heads, kv_heads, d, length, slot in [(9, 3, 64, 384, 200), (14, 2, 64, 512, 300), (8, 8, 128, 130, 129)]:
@@ -306,7 +308,10 @@ def test_slot_attention_kernel_equals_reference(dtype):
         at = torch.tensor([slot], device="cuda")
         assert triton_usable(q, caches[0])
         ref_caches = [c.clone() for c in caches]
-        got = attention_op()(q, k, v, caches[0], caches[1], start, at, d ** -0.5)
+        if splits is None:
+            got = attention_op()(q, k, v, caches[0], caches[1], start, at, d ** -0.5)
+        else:
+            got = _triton_attention()(q, k, v, caches[0], caches[1], start, at, d ** -0.5, splits=splits)
         want = attend_reference(q.float(), k.float(), v.float(), *(c.float() for c in ref_caches), start, at,
                                 d ** -0.5)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
