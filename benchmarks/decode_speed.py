@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
+    ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention"],
+                    help="turn off one of the decode step's kernels (the before of an A/B in one call)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.batch, args.device, args.compile, args.repeats, args.check, args.prefill = (
@@ -271,6 +273,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if "fused-sampling" in args.without:  # torch's sampling operations in the compiled step
+        from rlx.plugins.rollout import hf_kernels
+
+        hf_kernels.race_available = lambda device: False
+    if "split-attention" in args.without:  # one program per row and key/value head
+        from rlx.plugins.rollout import hf_static
+
+        hf_static.attention_splits = lambda *a, **k: 1
 
     # One process compiles the decode step for every shape: more than dynamo's default 8 recompilations.
     for name in ("recompile_limit", "cache_size_limit"):

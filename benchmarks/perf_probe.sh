@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
-# Issue 31, round 3, first GPU call: where the megatron backend's update time goes (profiles, micro-batch
-# sizes, megatron-core's optimizer fallbacks against torch's kernels, compiled layers), and whether cuBLASLt
-# helps the decode step's skinny matrix products. One H200; carry build/gpu_wheels.
-#   bash benchmarks/perf_probe.sh
+# Issue 31, round 3: the first GPU call of a session, an A/B of each change not yet measured on a GPU (written
+# on 2026-12-04, when no GPU was lent): the decode step's fused sampling kernel and split attention, cuBLASLt,
+# the skinny-matrix Triton kernels against cuBLAS, and the megatron backend's torch optimizer kernels and
+# compiled layers (with a profile of where its step's time goes). One H200; carry build/gpu_wheels (rebuild the
+# rlx wheel first: rm build/gpu_wheels/rlx-*.whl; pip wheel -q --no-deps . -w build/gpu_wheels).
+#   bash benchmarks/perf_probe.sh decode      # each part about 6-8 minutes: one device call each
+#   bash benchmarks/perf_probe.sh megatron    # outputs under $OUT (or ./perf_probe)
+# Then benchmarks/perf_report.py for the figures beside their goals.
 set -uo pipefail
+OUT=${OUT:-perf_probe}
+mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-timeout 250 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 \
-    --variants default+stock default budget12288 budget12288+compile --profile default+stock budget12288
-timeout 130 python3 benchmarks/megatron_step.py step --shape 1.5b --steps 3 --variants budget12288 budget12288+compile
-timeout 150 python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --prefill --blas cublaslt --out "$OUT/decode_lt.json"
+PART=${1:-decode}
+if [ "$PART" = decode ]; then
+D="python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill"
+timeout 100 $D --out "$OUT/decode_new.json" 2>&1 | tail -3
+timeout 100 $D --without fused-sampling split-attention --out "$OUT/decode_before.json" 2>&1 | tail -3
+timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
+timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
+timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
+[ -f benchmarks/linear_probe.py ] && timeout 60 python3 benchmarks/linear_probe.py 2>&1 | tail -40
+else
+timeout 150 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 --json "$OUT/megatron.jsonl" \
+    --variants default+stock default budget12288 budget12288+compile --profile budget12288 2>&1 \
+    | grep -v -i "warn"
+timeout 80 python3 benchmarks/megatron_step.py step --shape 1.5b --steps 3 --json "$OUT/megatron.jsonl" \
+    --variants budget12288 budget12288+compile 2>&1 | grep -v -i "warn"
+fi
