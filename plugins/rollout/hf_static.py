@@ -305,6 +305,7 @@ class FusedWeights:
         self.intermediate = self.layers[0]["gate_up"].shape[0] // 2
         self.scale = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = attention_op()
+        self.rope_attention = rope_attention_op()
         self.pointers = self._pointers(model)
 
     @staticmethod
@@ -375,24 +376,34 @@ def _triton_attention() -> Any:
         return None
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, o_ptr, pm_ptr, pt_ptr, pa_ptr, scale,
-               s_qb, s_qh, s_kb, s_kh, s_cb, s_ch, s_cl, s_ob, s_oh, chunk,
+    def kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, o_ptr, pm_ptr, pt_ptr, pa_ptr, cos_ptr,
+               sin_ptr, scale, s_qb, s_qh, s_kb, s_kh, s_cb, s_ch, s_cl, s_ob, s_oh, s_rb, chunk,
                REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-               SPLITS: tl.constexpr):
+               SPLITS: tl.constexpr, ROPE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         split = tl.program_id(2)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
         real = r < REP
-        q = tl.load(q_ptr + row * s_qb + (group * REP + r)[:, None] * s_qh + d[None, :], mask=real[:, None],
-                    other=0.0)
+        q_at = q_ptr + row * s_qb + (group * REP + r)[:, None] * s_qh
+        q = tl.load(q_at + d[None, :], mask=real[:, None], other=0.0)
+        if ROPE:  # the rotary embedding of the query heads (and below of the new key), from the unrotated q/k/v
+            half = (d + D // 2) % D  # rotate_half: x[d + D/2] negated in the first half, x[d - D/2] in the second
+            sign = tl.where(d < D // 2, -1.0, 1.0)
+            cos = tl.load(cos_ptr + row * s_rb + d).to(tl.float32)
+            sin = tl.load(sin_ptr + row * s_rb + d).to(tl.float32)
+            q_half = tl.load(q_at + half[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_half * sin[None, :]).to(q.dtype)
         start = tl.load(start_ptr + row)
         slot = tl.load(slot_ptr)
         cache = row * s_cb + group * s_ch
         if split == 0:  # the new column: written into the cache, attended from registers
             k_new = tl.load(k_ptr + row * s_kb + group * s_kh + d)
             v_new = tl.load(v_ptr + row * s_kb + group * s_kh + d)
+            if ROPE:
+                k_half = tl.load(k_ptr + row * s_kb + group * s_kh + half).to(tl.float32)
+                k_new = (k_new.to(tl.float32) * cos + sign * k_half * sin).to(k_new.dtype)
             tl.store(kc_ptr + cache + slot * s_cl + d, k_new)
             tl.store(vc_ptr + cache + slot * s_cl + d, v_new)
             m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
@@ -453,7 +464,9 @@ def _triton_attention() -> Any:
                  mask=(r < REP)[:, None])
 
     def run(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, start: Any, slot: Any, scale: float,
-            splits: int | None = None) -> Any:
+            splits: int | None = None, cos: Any = None, sin: Any = None) -> Any:
+        """q (b, heads, d), k and v (b, kv_heads, d), each with unit stride in d and k's strides v's; with
+        ``cos``/``sin`` (b, d) the kernel applies the rotary embedding to q and the new k itself."""
         import torch
 
         b, heads, d = q.shape
@@ -464,7 +477,10 @@ def _triton_attention() -> Any:
         if splits is None:
             splits = attention_splits(b * kv_heads, length, q.device, block)
         chunk = -(-length // splits)
-        out = torch.empty_like(q)
+        out = torch.empty(b, heads, d, dtype=q.dtype, device=q.device)
+        rope = cos is not None
+        if not rope:
+            cos = sin = out  # not read
         if splits > 1:
             f32 = {"dtype": torch.float32, "device": q.device}
             pm = torch.empty(b * kv_heads * splits * rep_pad, **f32)
@@ -472,10 +488,11 @@ def _triton_attention() -> Any:
             pa = torch.empty(b * kv_heads * splits * rep_pad * d, **f32)
         else:
             pm = pt = pa = out  # not read
-        kernel[(b, kv_heads, splits)](q, k, v, k_cache, v_cache, start, slot, out, pm, pt, pa, scale,
+        kernel[(b, kv_heads, splits)](q, k, v, k_cache, v_cache, start, slot, out, pm, pt, pa, cos, sin, scale,
                                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), k_cache.stride(0),
-                                      k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), chunk,
-                                      REP=rep, REP_PAD=rep_pad, D=d, BLOCK=block, SPLITS=splits, num_warps=4)
+                                      k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+                                      cos.stride(0), chunk, REP=rep, REP_PAD=rep_pad, D=d, BLOCK=block,
+                                      SPLITS=splits, ROPE=rope, num_warps=4)
         if splits > 1:
             combine[(b, kv_heads)](pm, pt, pa, out, out.stride(0), out.stride(1), REP=rep, REP_PAD=rep_pad, D=d,
                                    SPLITS=splits, num_warps=4)
@@ -531,6 +548,36 @@ def attention_op() -> Any:
     return slot_attention
 
 
+@functools.cache
+def rope_attention_op() -> Any:
+    """``rlx::slot_attention_rope``: :func:`attention_op` on the unrotated q, k, v (views of the fused q/k/v
+    product, no copy), the rotary embedding (``cos``/``sin``, (b, d)) applied by the Triton kernel itself on a
+    GPU in half precision; elsewhere rotated in torch (:func:`_rotate`) and attended by the reference."""
+    import torch
+
+    schema = ("(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+              "Tensor start, Tensor slot, float scale) -> Tensor")
+
+    @torch.library.custom_op("rlx::slot_attention_rope", mutates_args=("k_cache", "v_cache"), schema=schema)
+    def slot_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                            slot: torch.Tensor, scale: float) -> torch.Tensor:
+        if triton_usable(q, k_cache) and q.stride(-1) == 1 and k.stride() == v.stride() and k.stride(-1) == 1:
+            return _triton_attention()(q, k, v, k_cache, v_cache, start, slot, scale, cos=cos.contiguous(),
+                                       sin=sin.contiguous())
+        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        return attend_reference(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, start, slot,
+                                scale)
+
+    @slot_attention_rope.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, slot: torch.Tensor,
+          scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
+    return slot_attention_rope
+
+
 def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_caches: list[Any],
                  v_caches: list[Any]) -> Any:
     """Next-token logits (b, V) of one decode step for rows :b (b = len(tok)), the new keys and values
@@ -548,10 +595,12 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
         q = qkv[:, :nq].reshape(b, w.heads, d)
         k = qkv[:, nq:nq + nk].reshape(b, w.kv_heads, d)
         v = qkv[:, nq + nk:].reshape(b, w.kv_heads, d)
-        if layer["q_norm"] is not None:
+        if layer["q_norm"] is None:  # the rotary embedding inside the attention kernel, on views of qkv
+            a = w.rope_attention(q, k, v, cos[:, 0], sin[:, 0], k_caches[i], v_caches[i], start, slot, w.scale)
+        else:
             q, k = layer["q_norm"](q), layer["k_norm"](k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        a = attention(q, k, v, k_caches[i], v_caches[i], start, slot, w.scale)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            a = attention(q, k, v, k_caches[i], v_caches[i], start, slot, w.scale)
         h = h + torch.nn.functional.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
         x = _rms_norm(h, layer["post_w"], layer["post_eps"])
         gate_up = torch.nn.functional.linear(x, layer["gate_up"], layer["gate_up_b"])

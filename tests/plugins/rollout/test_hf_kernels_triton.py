@@ -149,3 +149,32 @@ def test_the_new_column_is_written_once_into_the_cache() -> None:
     caches[0][:b, :, slot] = 0
     caches[1][:b, :, slot] = 0
     assert not caches[0].any() and not caches[1].any()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_rotary_embedding_inside_the_attention_kernel(splits: int, dtype: torch.dtype) -> None:
+    """rlx::slot_attention_rope's kernel on q/k/v as views of one fused q/k/v product (no copies), rotating q
+    and the new key itself, equals the rotation in torch followed by the reference attention; the cache holds
+    the rotated key."""
+    from rlx.plugins.rollout.hf_static import _rotate, _triton_attention, attend_reference
+
+    torch.manual_seed(2)
+    b, heads, kv_heads, d, length, slot = 4, 14, 2, 64, 200, 130
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * d, dtype=dtype)
+    nq, nk = heads * d, kv_heads * d
+    q = qkv[:, :nq].reshape(b, heads, d)
+    k = qkv[:, nq:nq + nk].reshape(b, kv_heads, d)
+    v = qkv[:, nq + nk:].reshape(b, kv_heads, d)
+    angle = torch.rand(b, d // 2) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
+    caches = [torch.randn(b, kv_heads, length, d, dtype=dtype) for _ in range(2)]
+    ref = [c.clone().float() for c in caches]
+    start = torch.tensor([0, 17, 100, slot])
+    at = torch.tensor([slot])
+    got = _triton_attention()(q, k, v, caches[0], caches[1], start, at, d ** -0.5, splits=splits, cos=cos, sin=sin)
+    qr, kr = (_rotate(x.float(), cos.float()[:, None], sin.float()[:, None]) for x in (q, k))
+    want = attend_reference(qr, kr, v.float(), *ref, start, at, d ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[0][:, :, slot].float(), kr, atol=tol, rtol=tol)

@@ -372,3 +372,28 @@ def test_a_failing_fused_kernel_falls_back_to_torchs_sampling(policy, prompts, f
     with torch.no_grad():
         lp, _ = response_log_probs(rollout.model, out, 1.0, with_entropy=False)
     torch.testing.assert_close(out["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rope_attention_kernel_equals_rotation_then_reference():
+    """rlx::slot_attention_rope on a GPU (bf16, views of one q/k/v product): the kernel's own rotation equals
+    torch's rotation followed by the reference attention, cache included."""
+    from rlx.plugins.rollout.hf_static import _rotate, attend_reference, rope_attention_op
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, d, length, slot = 12, 14, 2, 64, 512, 300
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    nq, nk = heads * d, kv_heads * d
+    q, k, v = (qkv[:, :nq].reshape(b, heads, d), qkv[:, nq:nq + nk].reshape(b, kv_heads, d),
+               qkv[:, nq + nk:].reshape(b, kv_heads, d))
+    angle = torch.rand(b, d // 2, device="cuda") * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    caches = [torch.randn(16, kv_heads, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ref = [c.clone().float() for c in caches]
+    start = torch.randint(0, slot, (b,), device="cuda")
+    at = torch.tensor([slot], device="cuda")
+    got = rope_attention_op()(q, k, v, cos, sin, caches[0], caches[1], start, at, d ** -0.5)
+    qr, kr = (_rotate(x.float(), cos.float()[:, None], sin.float()[:, None]) for x in (q, k))
+    want = attend_reference(qr, kr, v.float(), *ref, start, at, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(caches[0][:b, :, slot].float(), kr, atol=2e-2, rtol=2e-2)
