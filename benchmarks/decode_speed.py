@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
-    ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention"],
+    ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention", "rope-attention"],
                     help="turn off one of the decode step's kernels (the before of an A/B in one call)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -281,6 +281,19 @@ def main(argv: list[str] | None = None) -> int:
         from rlx.plugins.rollout import hf_static
 
         hf_static.attention_splits = lambda *a, **k: 1
+    if "rope-attention" in args.without:  # the rotation in the compiled step, before the attention op
+        from rlx.plugins.rollout import hf_static as static
+
+        def rotate_then_attend() -> Any:
+            attend = static.attention_op()
+
+            def run(q: Any, k: Any, v: Any, cos: Any, sin: Any, *rest: Any) -> Any:
+                c, s = cos[:, None], sin[:, None]
+                return attend(static._rotate(q, c, s), static._rotate(k, c, s), v, *rest)
+
+            return run
+
+        static.rope_attention_op = rotate_then_attend
 
     # One process compiles the decode step for every shape: more than dynamo's default 8 recompilations.
     for name in ("recompile_limit", "cache_size_limit"):

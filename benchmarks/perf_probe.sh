@@ -16,8 +16,9 @@ PART=${1:-decode}
 if [ "$PART" = decode ]; then
 D="python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill"
 timeout 100 $D --out "$OUT/decode_new.json" 2>&1 | tail -3
-timeout 100 $D --without fused-sampling split-attention --out "$OUT/decode_before.json" 2>&1 | tail -3
+timeout 100 $D --without fused-sampling split-attention rope-attention --out "$OUT/decode_before.json" 2>&1 | tail -3
 timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
+timeout 90 $D --without rope-attention --out "$OUT/decode_no_rope.json" 2>&1 | tail -3
 timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
 timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
 [ -f benchmarks/linear_probe.py ] && timeout 60 python3 benchmarks/linear_probe.py 2>&1 | tail -40
