@@ -30,11 +30,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+# A shell that starts a command in the background without job control (`pytest ... &` in a script, nohup, some
+# CI runners) starts it with SIGINT ignored; children inherit that, and it survives exec, so Python installs no
+# Ctrl-C handler and `rlx train` goes on through SIGINT (as a background job should: the run had to be killed
+# after the 60 s wait, in full-suite runs started so). The run here starts as a terminal's foreground job does,
+# SIGINT at its default, whatever the disposition pytest itself got.
+_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def _stop_after(run: Path, rows: int, sig: int, *args: str) -> subprocess.CompletedProcess[str]:
     """`rlx train ARGS` sent ``sig`` once ``rows`` steps are in its metrics.jsonl."""
     cmd = [sys.executable, "-m", "rlx", "train", *args]
-    proc = subprocess.Popen(cmd, cwd=run.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+    proc = subprocess.Popen([sys.executable, "-c", _DEFAULT_SIGINT, *cmd[1:]], cwd=run.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
@@ -43,7 +52,13 @@ def _stop_after(run: Path, rows: int, sig: int, *args: str) -> subprocess.Comple
             time.sleep(0.1)
         assert proc.poll() is None, "the run ended before it was interrupted"
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"`rlx train` did not stop within 60 s of {signal.Signals(sig).name}; it logged "
+                        f"{len(read_metrics(run))} steps; its stderr ends:\n{err[-3000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
