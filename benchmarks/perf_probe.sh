@@ -20,8 +20,9 @@ timeout 100 $D --without fused-sampling split-attention rope-attention --out "$O
 timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
 timeout 90 $D --without rope-attention --out "$OUT/decode_no_rope.json" 2>&1 | tail -3
 timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
+timeout 150 $D --with skinny-linear --out "$OUT/decode_linear.json" 2>&1 | tail -3
 timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
-[ -f benchmarks/linear_probe.py ] && timeout 60 python3 benchmarks/linear_probe.py 2>&1 | tail -40
+timeout 120 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json" 2>&1 | tail -40
 else
 timeout 150 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 --json "$OUT/megatron.jsonl" \
     --variants default+stock default budget12288 budget12288+compile --profile budget12288 2>&1 \

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 CompileMode = Literal["off", "default", "max-autotune"]
 DECODE_ATTENTION = "rlx_sdpa_decode"
+# The slot step's matrix products through rlx::skinny_linear (hf_linear: Triton kernels chosen per shape by
+# measurement against cuBLAS). Off until measured on a GPU (benchmarks/perf_probe.sh; decode_speed.py
+# --with skinny-linear turns it on for a run): its first use tunes every shape, which costs compilation time.
+SKINNY_LINEAR = False
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -306,6 +310,14 @@ class FusedWeights:
         self.scale = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = attention_op()
         self.rope_attention = rope_attention_op()
+        if SKINNY_LINEAR:
+            from rlx.plugins.rollout.hf_linear import linear_op
+
+            self.linear: Any = linear_op()
+        else:
+            import torch
+
+            self.linear = torch.nn.functional.linear
         self.pointers = self._pointers(model)
 
     @staticmethod
@@ -591,7 +603,7 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
     nq, nk, d = w.heads * w.head_dim, w.kv_heads * w.head_dim, w.head_dim
     for i, layer in enumerate(w.layers):
         x = _rms_norm(h, layer["in_w"], layer["in_eps"])
-        qkv = torch.nn.functional.linear(x, layer["qkv"], layer["qkv_b"])
+        qkv = w.linear(x, layer["qkv"], layer["qkv_b"])
         q = qkv[:, :nq].reshape(b, w.heads, d)
         k = qkv[:, nq:nq + nk].reshape(b, w.kv_heads, d)
         v = qkv[:, nq + nk:].reshape(b, w.kv_heads, d)
@@ -601,12 +613,12 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
             q, k = layer["q_norm"](q), layer["k_norm"](k)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             a = attention(q, k, v, k_caches[i], v_caches[i], start, slot, w.scale)
-        h = h + torch.nn.functional.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
+        h = h + w.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
         x = _rms_norm(h, layer["post_w"], layer["post_eps"])
-        gate_up = torch.nn.functional.linear(x, layer["gate_up"], layer["gate_up_b"])
+        gate_up = w.linear(x, layer["gate_up"], layer["gate_up_b"])
         act = layer["act"](gate_up[:, :w.intermediate]) * gate_up[:, w.intermediate:]
-        h = h + torch.nn.functional.linear(act, layer["down"], layer["down_b"])
-    return torch.nn.functional.linear(_rms_norm(h, w.norm_w, w.norm_eps), w.head)
+        h = h + w.linear(act, layer["down"], layer["down_b"])
+    return w.linear(_rms_norm(h, w.norm_w, w.norm_eps), w.head, None)
 
 
 def buckets(rows: int) -> list[int]:
