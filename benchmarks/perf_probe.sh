@@ -5,7 +5,8 @@
 # compiled layers (with a profile of where its step's time goes). One H200; carry build/gpu_wheels (rebuild the
 # rlx wheel first: rm build/gpu_wheels/rlx-*.whl; pip wheel -q --no-deps . -w build/gpu_wheels).
 #   bash benchmarks/perf_probe.sh decode      # each part about 6-8 minutes: one device call each
-#   bash benchmarks/perf_probe.sh megatron    # outputs under $OUT (or ./perf_probe)
+#   bash benchmarks/perf_probe.sh linear      # outputs under $OUT (or ./perf_probe)
+#   bash benchmarks/perf_probe.sh megatron
 # Then benchmarks/perf_report.py for the figures beside their goals.
 set -uo pipefail
 OUT=${OUT:-perf_probe}
@@ -20,9 +21,11 @@ timeout 100 $D --without fused-sampling split-attention rope-attention --out "$O
 timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
 timeout 90 $D --without rope-attention --out "$OUT/decode_no_rope.json" 2>&1 | tail -3
 timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
-timeout 150 $D --with skinny-linear --out "$OUT/decode_linear.json" 2>&1 | tail -3
 timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
-timeout 120 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json" 2>&1 | tail -40
+elif [ "$PART" = linear ]; then
+timeout 200 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json" 2>&1 | tail -40
+timeout 250 python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill --with skinny-linear \
+    --out "$OUT/decode_linear.json" 2>&1 | tail -3
 else
 timeout 150 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 --json "$OUT/megatron.jsonl" \
     --variants default+stock default budget12288 budget12288+compile --profile budget12288 2>&1 \
