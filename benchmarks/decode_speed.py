@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
-    ap.add_argument("--with", dest="with_", nargs="*", default=[], choices=["skinny-linear"],
-                    help="turn on a kernel that is off by default (skinny-linear: per-shape Triton products)")
+    ap.add_argument("--with", dest="with_", nargs="*", default=[], choices=["skinny-linear", "own-prefill"],
+                    help="turn on what is off by default (skinny-linear: per-shape Triton products; own-prefill)")
     ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention", "rope-attention"],
                     help="turn off one of the decode step's kernels (the before of an A/B in one call)")
     args = ap.parse_args(argv)
@@ -279,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlx.plugins.rollout import hf_static as slots
 
         slots.SKINNY_LINEAR = True
+    if "own-prefill" in args.with_:
+        from rlx.plugins.rollout import hf_static as slots
+
+        slots.OWN_PREFILL = True
     if "fused-sampling" in args.without:  # torch's sampling operations in the compiled step
         from rlx.plugins.rollout import hf_kernels
 

@@ -21,6 +21,7 @@ timeout 100 $D --without fused-sampling split-attention rope-attention --out "$O
 timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
 timeout 90 $D --without rope-attention --out "$OUT/decode_no_rope.json" 2>&1 | tail -3
 timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
+timeout 90 $D --with own-prefill --out "$OUT/decode_own_prefill.json" 2>&1 | tail -3
 timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
 elif [ "$PART" = linear ]; then
 timeout 200 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json" 2>&1 | tail -40

@@ -45,6 +45,10 @@ DECODE_ATTENTION = "rlx_sdpa_decode"
 # measurement against cuBLAS). Off until measured on a GPU (benchmarks/perf_probe.sh; decode_speed.py
 # --with skinny-linear turns it on for a run): its first use tunes every shape, which costs compilation time.
 SKINNY_LINEAR = False
+# The slot decoder's prefill through rlx's own pass over the fused weights (slot_prefill, compiled with the step),
+# writing keys and values straight into its cache; off: the model's own forward and a copy. Off until measured
+# on a GPU (decode_speed.py --with own-prefill).
+OWN_PREFILL = False
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -621,6 +625,46 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
     return w.linear(_rms_norm(h, w.norm_w, w.norm_eps), w.head, None)
 
 
+def slot_prefill(w: FusedWeights, ids: Any, mask: Any, positions: Any, k_caches: list[Any], v_caches: list[Any],
+                 lo: int) -> Any:
+    """The prompts (rows, P), left-padded, through the fused weights in one pass: each layer's keys and values
+    written into cache rows lo:lo+rows, columns :P (zero at padding); returns the last position's logits
+    (rows, V). The arithmetic of :func:`slot_forward` (transformers' Llama-family layers), attention by
+    ``scaled_dot_product_attention`` with a causal mask over each row's real tokens (a padding query attends
+    to itself alone, so no row is all masked)."""
+    import torch
+
+    rows, width = ids.shape
+    nq, nk, d = w.heads * w.head_dim, w.kv_heads * w.head_dim, w.head_dim
+    h = torch.nn.functional.embedding(ids, w.embed)  # (rows, P, H)
+    cos, sin = w.rotary(h, positions)  # (rows, P, d)
+    cos, sin = cos[:, None], sin[:, None]
+    real = mask.bool()
+    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+    allowed = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
+    allowed = allowed[:, None]  # (rows, 1, P, P)
+    keep = real.to(h.dtype)[:, None, :, None]  # (rows, 1, P, 1)
+    for i, layer in enumerate(w.layers):
+        x = _rms_norm(h, layer["in_w"], layer["in_eps"])
+        qkv = torch.nn.functional.linear(x, layer["qkv"], layer["qkv_b"])
+        q = qkv[..., :nq].reshape(rows, width, w.heads, d).transpose(1, 2)
+        k = qkv[..., nq:nq + nk].reshape(rows, width, w.kv_heads, d).transpose(1, 2)
+        v = qkv[..., nq + nk:].reshape(rows, width, w.kv_heads, d).transpose(1, 2)
+        if layer["q_norm"] is not None:
+            q, k = layer["q_norm"](q), layer["k_norm"](k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_caches[i][lo:lo + rows, :, :width] = k * keep
+        v_caches[i][lo:lo + rows, :, :width] = v * keep
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=w.scale,
+                                                             enable_gqa=w.heads != w.kv_heads)
+        h = h + torch.nn.functional.linear(a.transpose(1, 2).reshape(rows, width, nq), layer["o"], layer["o_b"])
+        x = _rms_norm(h, layer["post_w"], layer["post_eps"])
+        gate_up = torch.nn.functional.linear(x, layer["gate_up"], layer["gate_up_b"])
+        act = layer["act"](gate_up[..., :w.intermediate]) * gate_up[..., w.intermediate:]
+        h = h + torch.nn.functional.linear(act, layer["down"], layer["down_b"])
+    return torch.nn.functional.linear(_rms_norm(h[:, -1], w.norm_w, w.norm_eps), w.head)
+
+
 def buckets(rows: int) -> list[int]:
     """The batch sizes a decode of ``rows`` (a power of two) steps at as rows finish: rows, rows/2, ..., 8."""
     sizes = [rows]
@@ -667,6 +711,7 @@ class SlotDecoder:
                                                                            device=device)
         self.stop = torch.tensor(sorted(set(stop)) or [-1], **long)
         self.step_fn: Any = self._choose  # (tok, pos, start, noise) -> (token, log-prob); the engine may compile it
+        self.prefill_fn: Any = slot_prefill if OWN_PREFILL else None  # None: the model's own forward
         self.compiled = False
         self.use_graph, self.pool = use_graph, pool
         self.graphs: dict[int, Any] = {}
@@ -735,6 +780,11 @@ class SlotDecoder:
         first = []
         for lo in range(0, rows, chunk):
             hi = min(rows, lo + chunk)
+            if self.prefill_fn is not None:  # rlx's own pass: the keys and values straight into the cache
+                with torch.no_grad():
+                    first.append(self.prefill_fn(self.w, ids[lo:hi], mask[lo:hi], positions[lo:hi], self.k_caches,
+                                                 self.v_caches, lo))
+                continue
             cache = DynamicCache(config=self.model.config)
             out = self.model(input_ids=ids[lo:hi], attention_mask=mask[lo:hi], position_ids=positions[lo:hi],
                              use_cache=True, logits_to_keep=1, **{kw: cache})
@@ -869,6 +919,8 @@ class StaticEngine:
         mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
         if isinstance(decoder, SlotDecoder):  # the batch dimension symbolic: one compilation for all buckets
             decoder.compiled = True
+            if decoder.prefill_fn is not None:
+                decoder.prefill_fn = torch.compile(slot_prefill, mode=mode, dynamic=None)
             return torch.compile(decoder._choose, mode=mode, dynamic=None)
         return torch.compile(decoder._log_probs, mode=mode, dynamic=False)
 

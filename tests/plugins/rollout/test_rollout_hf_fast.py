@@ -397,3 +397,34 @@ def test_rope_attention_kernel_equals_rotation_then_reference():
     want = attend_reference(qr, kr, v.float(), *ref, start, at, d ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(caches[0][:b, :, slot].float(), kr, atol=2e-2, rtol=2e-2)
+
+
+def test_own_prefill_writes_the_models_keys_values_and_first_token(policy, prompts, dynamic, monkeypatch):
+    """slot_prefill (hf_static.OWN_PREFILL): rlx's own pass over the fused weights leaves the cache as the model's
+    own forward and the copy do (float32, padding columns zero) and draws the same first token with the same
+    log-prob; greedy decoding with it is the dynamic cache's."""
+    from rlx.plugins.rollout import hf_static
+
+    monkeypatch.setattr(hf_static, "OWN_PREFILL", True)
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    a = run(rollout, prompts, n=2, max_tokens=9, greedy=True)
+    b = run(dynamic, prompts, n=2, max_tokens=9, greedy=True)
+    assert torch.equal(a["responses"], b["responses"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=0)
+    decoder = list(rollout.static.decoders.values())[-1]
+    assert decoder.prefill_fn is not None
+    ids, mask = decoder.tokens.new_zeros(8, 16), decoder.tokens.new_zeros(8, 16)
+    for i, row in enumerate(prompts["input_ids"].repeat(3, 1)[:8]):
+        real = row[prompts["attention_mask"].repeat(3, 1)[i].bool()]
+        ids[i, 16 - len(real):], mask[i, 16 - len(real):] = real, 1
+    runs = []
+    for fn in (decoder.prefill_fn, None):
+        decoder.prefill_fn = fn
+        decoder.prefill(ids, mask, 8)
+        runs.append(([c.clone() for c in decoder.k_caches + decoder.v_caches], decoder.tokens[:, 0].clone(),
+                     decoder.log_probs[:, 0].clone()))
+    (own, own_token, own_lp), (model, model_token, model_lp) = runs
+    for x, y in zip(own, model, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert torch.equal(own_token, model_token)
+    torch.testing.assert_close(own_lp, model_lp, atol=1e-5, rtol=0)
