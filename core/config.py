@@ -834,6 +834,29 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return []
 
 
+def _field_at(model: type[BaseModel], loc: tuple[Any, ...]) -> Any:
+    """The pydantic ``FieldInfo`` at ``loc`` inside ``model`` (submodels followed), or None."""
+    current: Any = model
+    field = None
+    for part in loc:
+        current = _as_model(field.annotation) if field is not None else current
+        if current is None:
+            return None
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+    return field
+
+
+def _missing_hint(model: type[BaseModel], loc: tuple[Any, ...], path: str) -> str:
+    """What a required key that was not given is for, and how to give it (``reward.path`` of the custom
+    reward: its description and ``set reward.path=...``)."""
+    field = _field_at(model, loc)
+    description = (field.description or "").strip() if field is not None else ""
+    how = f"set {path}=..." if "[" not in path else "give it"
+    return f": {how}" + (f" ({description})" if description else "")
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -879,6 +902,8 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
             if not loc:  # cross-field check: the core's messages carry their own path
                 problems.extend(f"{prefix}: {m.strip()}" if prefix else m.strip() for m in msg.split("; "))
                 continue
+        elif kind == "missing" and loc:
+            msg += _missing_hint(model, loc, path)
         if "input" in err and (kind != "missing" or (loc and isinstance(loc[-1], int))):
             msg += f" (got {_short(err['input'])})"
         problems.append(f"{path}: {msg}")

@@ -199,6 +199,15 @@ def test_plugin_option_errors_have_dotted_paths(pm):
     assert len(problems) == 4
 
 
+def test_a_required_plugin_option_says_what_it_is_and_how_to_set_it(pm):
+    """`--reward custom` without reward.path: not a bare "Field required" but the option's help and the
+    override that gives it."""
+    raw = build_raw(preset="tiny", shortcuts={"reward": "custom"})
+    problems = problems_of(raw, pm, check_files=False)
+    assert problems == ["reward.path: Field required: set reward.path=... (The Python file that defines the "
+                        "reward function.)"]
+
+
 def test_unknown_plugin_and_logger(pm):
     raw = build_raw(preset="tiny", shortcuts={"algorithm": "grop"}, overrides=["trainer.loggers=[console,wandbx]"])
     problems = problems_of(raw, pm, check_files=False)
