@@ -905,7 +905,10 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
         elif kind == "missing" and loc:
             msg += _missing_hint(model, loc, path)
         if "input" in err and (kind != "missing" or (loc and isinstance(loc[-1], int))):
-            msg += f" (got {_short(err['input'])})"
+            got = _short(err["input"])
+            quoted = kind == "value_error" and isinstance(err["input"], str) and got in msg
+            if not quoted:  # a validator's own message that quotes the text given already says it
+                msg += f" (got {got})"
         problems.append(f"{path}: {msg}")
     return problems
 

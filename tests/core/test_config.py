@@ -208,6 +208,12 @@ def test_a_required_plugin_option_says_what_it_is_and_how_to_set_it(pm):
                         "reward function.)"]
 
 
+def test_a_message_that_quotes_the_value_does_not_repeat_it(pm):
+    raw = build_raw(preset="tiny", shortcuts={"reward": "custom"}, overrides=["reward.path=nothere.py"])
+    problems = problems_of(raw, pm, check_files=False)
+    assert problems == ["reward.path: no such file: 'nothere.py'"]
+
+
 def test_unknown_plugin_and_logger(pm):
     raw = build_raw(preset="tiny", shortcuts={"algorithm": "grop"}, overrides=["trainer.loggers=[console,wandbx]"])
     problems = problems_of(raw, pm, check_files=False)
