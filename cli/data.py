@@ -66,8 +66,10 @@ def prepare(
     train, val = files.get("train"), files.get("test") or files.get("validation")
     if train is not None:
         hint = f"data.train_files={train}" + (f" data.val_files={val}" if val else "")
-        reward = {"gsm8k": "gsm8k", "geo3k": "geo3k --model Qwen/Qwen2.5-VL-3B-Instruct"}.get(name, "math")
-        typer.echo(f"Train with: rlx train --reward {reward} {hint}")
+        # A runnable command: without a model (or the tiny preset, whose model cannot read these) train stops.
+        reward = {"gsm8k": "gsm8k", "geo3k": "geo3k --model Qwen/Qwen2.5-VL-3B-Instruct"}.get(
+            name, "math") + ("" if name == "geo3k" else " --model Qwen/Qwen2.5-0.5B-Instruct")
+        typer.echo(f"Train with (any chat model for --model): rlx train --reward {reward} {hint}")
 
 
 def _prepare_preference(out: str, source: list[str] | None, dataset: str | None, data_source: str | None,

@@ -75,7 +75,8 @@ def test_prepare_gsm8k_from_the_original_jsonl(tmp_path, capsys):
                          "--source", str(test))
     assert code == 0, err
     assert "train: 2 rows" in out and "(1 skipped: no usable answer)" in out and "test: 1 rows" in out
-    assert "rlx train --reward gsm8k data.train_files=" in out
+    # the next command names a model: without one `rlx train` stops with "no model given"
+    assert "rlx train --reward gsm8k --model Qwen/Qwen2.5-0.5B-Instruct data.train_files=" in out
     rows = rows_of(tmp_path / "out" / "train.parquet")
     assert rows[0] == {
         "prompt": [{"role": "user", "content": GSM8K_TRAIN[0]["question"] + " " + GSM8K_INSTRUCTION}],
