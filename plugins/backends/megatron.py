@@ -512,8 +512,8 @@ def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[to
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, dtype=torch.float32, device="cuda"), None
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+    norms = torch._foreach_norm(tensors)  # each in its tensor's dtype
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
 
 
 def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:

@@ -49,6 +49,10 @@ SKINNY_LINEAR = False
 # writing keys and values straight into its cache; off: the model's own forward and a copy. Off until measured
 # on a GPU (decode_speed.py --with own-prefill).
 OWN_PREFILL = False
+# Round 3's decode kernels (the fused sampling, the attention in ranges and with the rotary embedding inside it).
+# A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
+# warning, and the engine decodes again with the kernels before them.
+FUSED_KERNELS = True
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -491,7 +495,7 @@ def _triton_attention() -> Any:
         rep_pad = max(16, triton.next_power_of_2(rep))
         block = 64
         if splits is None:
-            splits = attention_splits(b * kv_heads, length, q.device, block)
+            splits = attention_splits(b * kv_heads, length, q.device, block) if FUSED_KERNELS else 1
         chunk = -(-length // splits)
         out = torch.empty(b, heads, d, dtype=q.dtype, device=q.device)
         rope = cos is not None
@@ -611,10 +615,11 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
         q = qkv[:, :nq].reshape(b, w.heads, d)
         k = qkv[:, nq:nq + nk].reshape(b, w.kv_heads, d)
         v = qkv[:, nq + nk:].reshape(b, w.kv_heads, d)
-        if layer["q_norm"] is None:  # the rotary embedding inside the attention kernel, on views of qkv
+        if layer["q_norm"] is None and FUSED_KERNELS:  # the rotary embedding inside the attention kernel
             a = w.rope_attention(q, k, v, cos[:, 0], sin[:, 0], k_caches[i], v_caches[i], start, slot, w.scale)
         else:
-            q, k = layer["q_norm"](q), layer["k_norm"](k)
+            if layer["q_norm"] is not None:
+                q, k = layer["q_norm"](q), layer["k_norm"](k)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             a = attention(q, k, v, k_caches[i], v_caches[i], start, slot, w.scale)
         h = h + w.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
@@ -665,6 +670,11 @@ def slot_prefill(w: FusedWeights, ids: Any, mask: Any, positions: Any, k_caches:
     return torch.nn.functional.linear(_rms_norm(h[:, -1], w.norm_w, w.norm_eps), w.head)
 
 
+def _fused_kernels_off() -> None:
+    global FUSED_KERNELS
+    FUSED_KERNELS = False
+
+
 def buckets(rows: int) -> list[int]:
     """The batch sizes a decode of ``rows`` (a power of two) steps at as rows finish: rows, rows/2, ..., 8."""
     sizes = [rows]
@@ -705,7 +715,7 @@ class SlotDecoder:
         self.log_probs = torch.zeros(batch, max_tokens, dtype=torch.float32, device=device)
         # Sampling fused into one Triton pass over the logits (rlx::race_sample) on a GPU: its noise is drawn in
         # the kernel from a seed redrawn each step, so no (rows, vocabulary) noise buffer is kept.
-        self.fused = bool(fused and sampler.plain and hf_kernels.race_available(device))
+        self.fused = bool(fused and FUSED_KERNELS and sampler.plain and hf_kernels.race_available(device))
         self.seed = torch.zeros(1, **long)
         self.noise = None if sampler.greedy or self.fused else torch.zeros(batch, model.config.vocab_size,
                                                                            device=device)
@@ -903,7 +913,7 @@ class StaticEngine:
         self.weights: FusedWeights | None = None
         self.pool: Any = None
         self.compile_failed = False
-        self.fused_kernels = True  # rlx's Triton sampling kernel in the slot decoder (off after a failure)
+        self.fused_kernels = True  # round 3's kernels in this engine's slot decoders (off after a failure)
 
     def clear(self) -> None:
         """Forget every cache and graph (the graphs hold the weights' addresses, which a move changes)."""
@@ -978,11 +988,16 @@ class StaticEngine:
                 tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
                 break
             except Exception as exc:  # a kernel's or the compiler's failure must not end the run: fall back
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    raise
                 what = f"{type(exc).__name__}: {exc}"
-                if getattr(decoder, "fused", False):
-                    warnings.warn(f"rlx's fused sampling kernel failed ({what}); sampling with torch's operations.",
-                                  RuntimeWarning, stacklevel=2)
+                kernels = getattr(decoder, "fused", False) or str(self.model.device).startswith("cuda")
+                if self.slots and self.fused_kernels and FUSED_KERNELS and kernels:
+                    warnings.warn(f"rlx's decode kernels (fused sampling, attention in ranges with the rotary "
+                                  f"embedding) failed ({what}); decoding with the earlier kernels.", RuntimeWarning,
+                                  stacklevel=2)
                     self.fused_kernels = False
+                    _fused_kernels_off()
                 elif self.compile_mode != "off" and not self.compile_failed:
                     warnings.warn(f"torch.compile of the decode step failed ({what}); decoding without "
                                   "compilation.", RuntimeWarning, stacklevel=2)
