@@ -73,9 +73,21 @@ def _folder(path: str, key: str) -> tuple[Path, list[str]]:
     return folder, names
 
 
+def _run_folder_hint(folder: Path, names: list[str], path: str) -> str | None:
+    """Where the model of an rlx run folder or checkpoint given as a model folder is, or None."""
+    if (folder / "hf_model" / "config.json").is_file():
+        return f"It is an rlx run folder: its trained model is {os.path.join(path, 'hf_model')}; give that folder."
+    if "checkpoints" in names or "COMPLETE" in names:
+        what = "checkpoint" if "COMPLETE" in names else "run folder"
+        return (f"It is an rlx {what}: `rlx export {path} --out DIR` writes its model as a Hugging Face folder; "
+                "give that folder.")
+    return None
+
+
 def _read_config(folder: Path, names: list[str], path: str, key: str) -> dict[str, Any]:
     if "config.json" not in names:
         raise UserError(f"{key}: the folder {path!r} has no config.json (it holds: {_listing(names)}).",
+                        _run_folder_hint(folder, names, path) or
                         "A model folder written by save_pretrained has one; copy it from the model you started "
                         "from, or give the right folder.")
     try:

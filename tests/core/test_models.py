@@ -53,6 +53,20 @@ def test_missing_file_and_empty_folders(tmp_path):
     assert "reward.path: the folder" in problem(tmp_path / "empty", key="reward.path")
 
 
+def test_an_rlx_run_folder_given_as_the_model_points_to_its_model(model_copy, tmp_path):
+    """`rlx eval --model outputs/rlx/run`: the run folder, not its hf_model, is the usual slip."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "global_step_2" / "actor").mkdir(parents=True)
+    (run / "checkpoints" / "global_step_2" / "COMPLETE").write_text("")
+    (run / "config.yaml").write_text("{}")
+    assert f"`rlx export {run} --out DIR` writes its model" in problem(run)
+    step = run / "checkpoints" / "global_step_2"
+    assert f"It is an rlx checkpoint: `rlx export {step} --out DIR`" in problem(step)
+    shutil.copytree(model_copy, run / "hf_model")
+    assert f"It is an rlx run folder: its trained model is {run / 'hf_model'}; give that folder." in problem(run)
+    check_model_folder(str(run / "hf_model"))
+
+
 def test_config_json_missing_unreadable_or_without_a_known_model_type(model_copy):
     os.remove(model_copy / "config.json")
     msg = problem(model_copy)
