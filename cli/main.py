@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from rlx import __version__
 from rlx.cli import data as data_cli
@@ -23,6 +24,68 @@ from rlx.cli import plot as plot_cli
 from rlx.cli import scaffold
 from rlx.errors import ConfigError, UserError
 
+
+class OverridesCommand(TyperCommand):
+    """A command whose free arguments are ``KEY=VALUE`` config overrides. An option it does not have that is a
+    config key written with dashes, as argparse-based tools take their settings (``--actor.optim.lr=1e-6``,
+    ``--total_steps 10``), is answered with the override to write instead."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        given = list(args)  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as exc:  # click's NoSuchOption, from the click typer uses (its own or the installed one)
+            if type(exc).__name__ == "NoSuchOption" and isinstance(getattr(exc, "option_name", None), str):
+                _explain_unknown_option(exc, given)
+            raise
+
+
+def _explain_unknown_option(exc: Any, args: list[str]) -> None:
+    """Add to click's "No such option: --x" the config key meant, written as an override."""
+    option: str = exc.option_name
+    possible = [p for p in (getattr(exc, "possibilities", None) or []) if p != "--help"]
+    value = "VALUE"
+    for i, arg in enumerate(args):
+        if arg.startswith(option + "="):
+            value = arg[len(option) + 1:] or value
+            break
+        if arg == option and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value = args[i + 1]
+            break
+    name = option.lstrip("-").replace("-", "_")
+    keys = [name] if "." in name else [] if possible else _config_keys_ending(name)
+    hint = ""
+    if keys:
+        hint = ("Config keys are set as KEY=VALUE, without dashes: " + " or ".join(f"{k}={value}" for k in keys)
+                + ".")
+    elif not possible:
+        hint = ("Config keys are set as KEY=VALUE, without dashes (e.g. actor.optim.lr=1e-6); `rlx config show` "
+                "lists them.")
+    if possible:
+        exc.message = f"{exc.message} (Possible options: {', '.join(sorted(possible))})"
+    exc.possibilities = None
+    if hint:
+        exc.message = f"{exc.message}\n{hint}"
+
+
+def _config_keys_ending(name: str) -> list[str]:
+    """The dotted keys of the core config whose last part is ``name`` (``lr`` -> actor.optim.lr, critic.optim.lr)."""
+    from rlx.config import RLXConfig, _as_model
+
+    found: list[str] = []
+
+    def walk(model: Any, prefix: str) -> None:
+        for field_name, field in model.model_fields.items():
+            sub = _as_model(field.annotation)
+            if sub is not None:
+                walk(sub, f"{prefix}{field_name}.")
+            elif field_name == name:
+                found.append(prefix + field_name)
+
+    walk(RLXConfig, "")
+    return found
+
+
 app = typer.Typer(name="rlx", help="Reinforcement-learning post-training (PPO, GRPO) for Hugging Face LLMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 plugins_app = typer.Typer(help="List and inspect plugins.", no_args_is_help=True)
@@ -30,7 +93,7 @@ config_app = typer.Typer(help="Show or check the resolved configuration.", no_ar
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 app.add_typer(data_cli.app, name="data")
-app.command("eval")(eval_cli.eval_command)
+app.command("eval", cls=OverridesCommand)(eval_cli.eval_command)
 app.command("export")(export_cli.export_command)
 app.command("plot")(plot_cli.plot_command)
 plugins_app.command("new")(scaffold.new_plugin)
@@ -222,7 +285,7 @@ def _resolve(config: list[str] | None, preset: str | None, backend: str | None, 
                        check_files=check_files, check_run_dir=check_files)
 
 
-@config_app.command("show")
+@config_app.command("show", cls=OverridesCommand)
 def config_show(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
                 rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
                 model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
@@ -235,7 +298,7 @@ def config_show(config: ConfigOpt = None, preset: PresetOpt = None, backend: Bac
     typer.echo(yaml.safe_dump(resolved.as_dict(), sort_keys=False))
 
 
-@config_app.command("validate")
+@config_app.command("validate", cls=OverridesCommand)
 def config_validate(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
                     rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
                     model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,
@@ -305,7 +368,7 @@ def config_from_verl(
 
 
 # -- train --------------------------------------------------------------------------------------
-@app.command("train")
+@app.command("train", cls=OverridesCommand)
 def train(config: ConfigOpt = None, preset: PresetOpt = None, backend: BackendOpt = None,
           rollout: RolloutOpt = None, algorithm: AlgorithmOpt = None, reward: RewardOpt = None,
           model: ModelOpt = None, launcher: LauncherOpt = None, nproc: NprocOpt = None,

@@ -36,6 +36,28 @@ def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> str:
     return err
 
 
+# -- a config key given as an option --------------------------------------------------------------
+@pytest.mark.parametrize("args, hint", [
+    (["train", "--actor.optim.lr=1e-6"], "without dashes: actor.optim.lr=1e-6."),
+    (["train", "--total_steps", "5"], "without dashes: trainer.total_steps=5."),
+    (["train", "--lr", "1e-6"], "actor.optim.lr=1e-6 or critic.optim.lr=1e-6"),
+    (["config", "validate", "--bogus"], "without dashes (e.g. actor.optim.lr=1e-6); `rlx config show` lists them"),
+    (["eval", "--data", "x.parquet", "--rollout.temperature=1"], "without dashes: rollout.temperature=1."),
+])
+def test_a_config_key_written_as_an_option_gets_the_override_to_write(rlx, args, hint):
+    """Users of argparse-based trainers write settings as options; the usage error says the override instead."""
+    proc = rlx(*args)
+    assert proc.returncode == 2, proc.stderr
+    err = " ".join(proc.stderr.replace("│", " ").split())
+    assert "No such option" in err and hint in err, err
+    assert "Possible options: --help" not in err and "Traceback" not in err
+
+
+def test_an_option_typo_keeps_the_suggestion_and_no_key_hint(rlx):
+    err = " ".join(rlx("train", "--algo", "grpo").stderr.replace("│", " ").split())
+    assert "No such option: --algo (Possible options: --algorithm)" in err and "KEY=VALUE" not in err, err
+
+
 # -- version and help ---------------------------------------------------------------------------
 def test_version(rlx):
     proc = rlx("--version")
