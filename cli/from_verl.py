@@ -1285,6 +1285,32 @@ def _reward_manager(value: Any) -> None:
                    "rlx's overlong reward in a mix")
 
 
+def _verl_key_meant(key: str) -> str:
+    """``; did you mean data.train_files?`` when ``key`` is a near miss of a verl key this translation knows
+    (verl's Hydra refuses a misspelt key too), else ``""``: the same section with a close last name, or the
+    same last name in a section misspelt. None of the 714 keys of verl's generated trainer configs that this
+    translation does not know gets a suggestion."""
+    import difflib
+
+    known = sorted({k for k in (*DIRECT, *SPECIAL, *IGNORED, *MISSING, *VISION_KEYS) if not k.endswith(".")})
+    parent, _, name = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.88)
+    if close:
+        return f"; did you mean {siblings[close[0]]}?"
+    # A misspelt section: one part of the key differs, and only by a letter or two (actr for actor; verl's
+    # actor.strategy is no misspelling of ref.strategy, nor lora.rank of lora_rank).
+    parts = key.split(".")
+    for other in known:
+        theirs = other.split(".")
+        if len(theirs) != len(parts) or parts[-1] != theirs[-1]:
+            continue
+        differ = [(a, b) for a, b in zip(parts, theirs, strict=True) if a != b]
+        if len(differ) == 1 and difflib.SequenceMatcher(None, *differ[0]).ratio() >= 0.8:
+            return f"; did you mean {other}?"
+    return ""
+
+
 def _is_ignored(key: str) -> str | None:
     for pattern, why in IGNORED.items():
         if key == pattern or (pattern.endswith(".") and key.startswith(pattern)):
@@ -1878,7 +1904,7 @@ def translate(source: str | dict[str, Any], pm: Any = None, environ: Mapping[str
                 if why is None:
                     missing = next((w for k, w in MISSING.items() if key == k or (k.endswith(".") and
                                                                                   key.startswith(k))), None)
-                    raise _Unmapped(missing or "no rlx counterpart")
+                    raise _Unmapped(missing or "no rlx counterpart" + _verl_key_meant(key))
                 if why:
                     t.ignored.append((key, why))
         except _Ignored as exc:

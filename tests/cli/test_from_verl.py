@@ -296,6 +296,32 @@ def test_yaml_source_is_flattened_with_its_interpolations(tmp_path):
     assert translate(str(path)).settings["actor.ppo_mini_batch_size"] == 32
 
 
+def test_a_misspelt_verl_key_is_named_with_the_key_meant():
+    """verl's Hydra refuses a misspelt key; rlx names it unmapped, and says which known key was meant."""
+    t = translate({"data.train_file": "x.parquet", "actor_rollout_ref.actor.ppo_mini_batchsize": 16,
+                   "actor_rollout_ref.actr.optim.lr": 1e-6, "actor_rollout_ref.rolout.n": 4,
+                   "actor_rollout_ref.actor.made_up_knob": 3}, get_plugin_manager())
+    assert dict(t.unmapped) == {
+        "data.train_file": "no rlx counterpart; did you mean data.train_files?",
+        "actor_rollout_ref.actor.ppo_mini_batchsize":
+            "no rlx counterpart; did you mean actor_rollout_ref.actor.ppo_mini_batch_size?",
+        "actor_rollout_ref.actr.optim.lr": "no rlx counterpart; did you mean actor_rollout_ref.actor.optim.lr?",
+        "actor_rollout_ref.rolout.n": "no rlx counterpart; did you mean actor_rollout_ref.rollout.n?",
+        "actor_rollout_ref.actor.made_up_knob": "no rlx counterpart"}
+
+
+@pytest.mark.parametrize("key", [
+    "actor_rollout_ref.actor.optim.lr_decay_steps", "actor_rollout_ref.actor.optim.lr_wsd_decay_style",
+    "actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.use_fused_kernels", "algorithm.kl_ctrl._target_",
+    "actor_rollout_ref.rollout.pipeline_model_parallel_size", "critic.forward_micro_batch_size",
+    "reward_model.micro_batch_size", "critic.optim.lr_warmup_steps"])
+def test_real_verl_keys_near_known_ones_get_no_suggestion(key):
+    """Keys of verl's own config that look like ones the translation knows are not called misspellings."""
+    from rlx.cli.from_verl import _verl_key_meant
+
+    assert _verl_key_meant(key) == ""
+
+
 def test_command_line_words_that_are_not_settings_are_skipped():
     keys = read_verl_source("CUDA_VISIBLE_DEVICES=0,1 python3 -m verl.trainer.main_ppo --some-flag "
                             "+data.seed=3 ++trainer.logger='[\"console\"]' --config-name=ppo.yaml $@ ; echo data.x=1")
