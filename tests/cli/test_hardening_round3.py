@@ -76,7 +76,8 @@ def test_a_disabled_name_that_matches_nothing_is_warned_about_with_the_valid_nam
 
 
 # -- the [dev] extra: the README's test command tests what the README lists -------------------------------
-ENGINES = {"vllm", "sglang", "ray", "megatron", "mbridge"}  # optional: big, or GPU-bound
+ENGINES = {"vllm", "sglang", "ray", "megatron", "mbridge", "triton"}  # optional: big, or GPU-bound (triton: the
+# GPU kernels' compiler; CI runs their tests under its interpreter in a step of its own)
 
 
 def _requires(dist: str) -> list[str]:
