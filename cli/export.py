@@ -41,9 +41,17 @@ def find_checkpoint(source: Path) -> Path:
     for path, why in rejected:
         typer.echo(f"Warning: checkpoint {path.name} cannot be trusted ({why}); skipping it.", err=True)
     if found is None:
-        raise UserError(f"{source} holds no complete checkpoint" + (" that can be trusted" if rejected else "") + ".",
-                        "Give a run folder written by `rlx train` with checkpoints (trainer.save_freq != 0), or "
-                        "a checkpoint folder global_step_N.")
+        what = f"{source} holds no complete checkpoint" + (" that can be trusted" if rejected else "") + "."
+        if (source / "config.json").is_file():  # `rlx export RUN/hf_model`: that is an export already
+            raise UserError(f"{what} It is a Hugging Face model folder already (config.json): from_pretrained, "
+                            "`rlx eval --model` and `rlx train --model` take it as it is.",
+                            "rlx export reads the checkpoints of a run: give the run folder or a checkpoint "
+                            "global_step_N.")
+        if (source / "hf_model" / "config.json").is_file() and not rejected:
+            raise UserError(f"{what} Its final model is a Hugging Face folder already: {source / 'hf_model'}.",
+                            "Copy that folder, or give a run folder with checkpoints.")
+        raise UserError(what, "Give a run folder written by `rlx train` with checkpoints (trainer.save_freq != 0), "
+                        "or a checkpoint folder global_step_N.")
     return found
 
 

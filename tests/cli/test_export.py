@@ -39,3 +39,22 @@ def test_hf_model_holds_the_trained_weights(tmp_path, tiny_model_path, one_threa
     out = exported.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] == ids.shape[1] + 2 or bool((out[0, ids.shape[1]:] == tok.eos_token_id).any())
     assert not (t.run_dir / ".tmp-hf_model").exists()
+
+
+def test_export_of_a_model_folder_says_it_is_one_already(tmp_path):
+    """`rlx export RUN/hf_model` (or a run that kept only hf_model): the folder is named as the model to use."""
+    import pytest
+
+    from rlx.cli.export import find_checkpoint
+    from rlx.errors import UserError
+
+    run = tmp_path / "run"
+    (run / "hf_model").mkdir(parents=True)
+    (run / "hf_model" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="It is a Hugging Face model folder already"):
+        find_checkpoint(run / "hf_model")
+    with pytest.raises(UserError, match=f"Its final model is a Hugging Face folder already: {run / 'hf_model'}"):
+        find_checkpoint(run)
+    with pytest.raises(UserError) as info:
+        find_checkpoint(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path} holds no complete checkpoint.\nGive a run folder")
