@@ -582,7 +582,11 @@ def rope_attention_op() -> Any:
     def slot_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                             slot: torch.Tensor, scale: float) -> torch.Tensor:
-        if triton_usable(q, k_cache) and q.stride(-1) == 1 and k.stride() == v.stride() and k.stride(-1) == 1:
+        if triton_usable(q, k_cache):  # views of the q/k/v product as they come; copies only where the kernel must
+            if q.stride(-1) != 1:
+                q = q.contiguous()
+            if k.stride() != v.stride() or k.stride(-1) != 1:
+                k, v = k.contiguous(), v.contiguous()
             return _triton_attention()(q, k, v, k_cache, v_cache, start, slot, scale, cos=cos.contiguous(),
                                        sin=sin.contiguous())
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
