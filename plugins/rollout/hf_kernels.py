@@ -125,8 +125,7 @@ def race_available(device: Any) -> bool:
 
 def race_usable(logits: Any) -> bool:
     """Whether ``rlx::race_sample`` runs its Triton kernel for these logits (a GPU and Triton)."""
-    return ((bool(logits.is_cuda) or _interpreted()) and logits.dim() == 2 and logits.stride(-1) == 1
-            and _triton_race() is not None)
+    return (bool(logits.is_cuda) or _interpreted()) and logits.dim() == 2 and _triton_race() is not None
 
 
 @functools.cache
@@ -141,7 +140,8 @@ def race_op() -> Any:
     def race_sample(logits: torch.Tensor, inv_temperature: float, seed: torch.Tensor,
                     greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if race_usable(logits):
-            return _triton_race()(logits, inv_temperature, seed, greedy)
+            return _triton_race()(logits if logits.stride(-1) == 1 else logits.contiguous(), inv_temperature, seed,
+                                  greedy)
         return race_reference(logits, inv_temperature, greedy)
 
     @race_sample.register_fake
