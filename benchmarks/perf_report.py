@@ -1,7 +1,8 @@
 """Issue 31's report: every figure of its goals from one call on one H200, side by side with its goal.
 
-    python benchmarks/perf_report.py OUT                      # one GPU: about 9 minutes
-    python benchmarks/perf_report.py OUT --only decode,megatron
+    python benchmarks/perf_report.py OUT                      # one GPU: all three groups, about 12 minutes
+    python benchmarks/perf_report.py OUT --only step          # the device tool's 10-minute calls: two calls,
+    python benchmarks/perf_report.py OUT --only decode,megatron   # the step's (TRL beside rlx) and the rest
     python benchmarks/perf_report.py OUT --smoke              # the CPU: the same pipeline on tiny models (CI)
 
 It runs the benchmark scripts one after another, each in a process of its own (so one's compilation caches,
@@ -16,8 +17,10 @@ CUDA graphs and memory do not bend another's figures), reads their JSON outputs 
 - ``megatron``: ``megatron_step.py step``, the megatron backend's actor update MFU at 0.5B and 1.5B
   (goals: 35% and 50%), with its best settings (one token-budget micro-batch, compiled layers) and the defaults.
 
-Everything is also written to OUT/report.json. Numbers from different calls are not compared: TRL's own step
-time moves between calls (4.3-9.9 s measured), so the ratios are taken within this call.
+Everything is also written to OUT/report.json and OUT/report.md. Numbers from different calls are not
+compared: TRL's own step time moves between calls (4.3-9.9 s measured), so the step's ratios are taken within
+the call that ran both (the ``step`` group always runs TRL and both rlx settings together). Estimated times on
+an H200, first compilations included: decode 4 min, step 5 min, megatron 3-4 min.
 """
 
 from __future__ import annotations
