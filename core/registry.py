@@ -209,13 +209,17 @@ class PluginManager:
         valid = self.names(kind)
         failed = [p for p in self.plugins if p.status == "failed"]
         hint = "Run `rlx plugins list` to see every installed plugin."
+        message = f"No {kind} named {name!r}.{did_you_mean(name, valid)} " \
+                  f"Valid {kind}s: {', '.join(valid) or '(none installed)'}."
         if failed:
             hint += " Some plugins failed to load: " + ", ".join(p.name for p in failed) + "."
-        raise UserError(
-            f"No {kind} named {name!r}.{did_you_mean(name, valid)} "
-            f"Valid {kind}s: {', '.join(valid) or '(none installed)'}.",
-            hint,
-        )
+            # In the message too (a config problem shows only the message): the plugin the user installed for
+            # this name is usually the one that failed, and is then first.
+            failed.sort(key=lambda p: p.name != name)
+            message += " Plugins that failed to load (one may provide it): " + "; ".join(
+                f"{p.name} ({p.distribution} {p.version}: {((p.error or '').splitlines() or ['?'])[0]})"
+                for p in failed) + "."
+        raise UserError(message, hint)
 
     def find(self, name: str) -> list[Component]:
         """Every component with this name, of any kind."""

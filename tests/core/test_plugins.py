@@ -257,6 +257,11 @@ def test_a_plugin_failing_to_import_is_recorded_and_the_rest_still_load(on_path)
     assert {("reward", "fake_reward"), *BUILTINS} <= set(pm.components())
     with pytest.raises(UserError, match="Some plugins failed to load: fake_broken, fake_typo"):
         pm.get("reward", "nope")
+    # The message itself (all a config problem shows) names them with their errors, the one asked for first.
+    with pytest.raises(UserError) as info:
+        pm.get("reward", "fake_typo")
+    assert "Plugins that failed to load (one may provide it): fake_typo (" in info.value.message
+    assert "fake_broken (rlx-fake-broken 0.0.1: RuntimeError: fake plugin broken on purpose" in info.value.message
 
 
 def test_strict_mode_makes_a_failing_plugin_fatal(on_path, monkeypatch):
