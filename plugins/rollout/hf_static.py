@@ -720,6 +720,7 @@ class SlotDecoder:
         # Sampling fused into one Triton pass over the logits (rlx::race_sample) on a GPU: its noise is drawn in
         # the kernel from a seed redrawn each step, so no (rows, vocabulary) noise buffer is kept.
         self.fused = bool(fused and FUSED_KERNELS and sampler.plain and hf_kernels.race_available(device))
+        self.race: Any = hf_kernels.race_op() if self.fused else None  # fetched here: never inside a compiled step
         self.seed = torch.zeros(1, **long)
         self.noise = None if sampler.greedy or self.fused else torch.zeros(batch, model.config.vocab_size,
                                                                            device=device)
@@ -737,10 +738,8 @@ class SlotDecoder:
 
         logits = slot_forward(self.w, tok, pos, start, self.slot, self.k_caches, self.v_caches)
         if self.fused:
-            from rlx.plugins.rollout.hf_kernels import race_op
-
             inv_t = 1.0 if self.sampler.greedy else 1.0 / self.sampler.temperature
-            return race_op()(logits, inv_t, noise, self.sampler.greedy)
+            return self.race(logits, inv_t, noise, self.sampler.greedy)
         if self.sampler.plain:
             return self.sampler.race(logits, noise)
         log_probs = self.sampler.log_probs(logits)

@@ -431,3 +431,28 @@ def test_own_prefill_writes_the_models_keys_values_and_first_token(policy, promp
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     assert torch.equal(own_token, model_token)
     torch.testing.assert_close(own_lp, model_lp, atol=1e-5, rtol=0)
+
+
+def test_the_decode_step_with_round_3_ops_compiles_without_a_graph_break(policy, prompts, fused_race):
+    """The slot step as the engine compiles it on a GPU (dynamic batch), with rlx::race_sample and
+    rlx::slot_attention_rope inside: dynamo traces it in one graph (the ops are opaque, registered once, fetched
+    outside the step) and the compiled step gives the eager step's tokens and log-probs (greedy)."""
+    import torch._dynamo
+
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    run(rollout, prompts, n=1, max_tokens=4, greedy=True)
+    decoder = list(rollout.static.decoders.values())[-1]
+    assert decoder.fused and decoder.race is not None
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(decoder._choose, backend="aot_eager", dynamic=None)
+    b = decoder.live
+    args = (decoder.tok[:b], decoder.pos[:b], decoder.start[:b], decoder.seed)
+    for t in args[:3]:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    want = decoder._choose(*(a.clone() for a in args))
+    got = compiled(*(a.clone() for a in args))
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    torch._dynamo.reset()
