@@ -821,17 +821,11 @@ def get_dotted(tree: dict[str, Any], key: str) -> Any:
 # Validation
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names of the (sub)model at ``loc``, for did-you-mean suggestions."""
-    current: Any = model
-    for part in loc:
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return []
-        field = current.model_fields.get(str(part))
-        if field is None:
-            return []
-        current = field.annotation
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return []
+    if not loc:
+        return list(model.model_fields)
+    field = _field_at(model, loc)
+    sub = _as_model(field.annotation) if field is not None else None
+    return list(sub.model_fields) if sub is not None else []
 
 
 def _field_at(model: type[BaseModel], loc: tuple[Any, ...]) -> Any:

@@ -538,12 +538,13 @@ def use_torch_kernels(optimizer: Any) -> None:
     Run the same arithmetic on torch's fused AdamW and multi-tensor kernels: the fallback's norm alone waits
     for the GPU once per parameter tensor."""
     import torch
+    from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    if getattr(clip_grads, "l2_norm_impl", None) is getattr(mcore_utils(), "local_multi_tensor_l2_norm", 0):
+    if getattr(clip_grads, "l2_norm_impl", None) is getattr(mcore_utils, "local_multi_tensor_l2_norm", 0):
         clip_grads.l2_norm_impl = _foreach_l2_norm
-    local_scale = getattr(mcore_utils(), "local_multi_tensor_scale", 0)
+    local_scale = getattr(mcore_utils, "local_multi_tensor_scale", 0)
     for module in (clip_grads, mcore_optimizer):
         if getattr(module, "multi_tensor_scale_impl", None) is local_scale:
             module.multi_tensor_scale_impl = _foreach_scale
@@ -559,12 +560,6 @@ def use_torch_kernels(optimizer: Any) -> None:
                 state = inner.state.get(p, {})
                 if isinstance(state.get("step"), torch.Tensor) and not state["step"].is_cuda:
                     state["step"] = state["step"].to(p.device, torch.float32)
-
-
-def mcore_utils() -> Any:
-    import megatron.core.utils as utils
-
-    return utils
 
 
 # -- the worker -----------------------------------------------------------------------------------------
