@@ -14,23 +14,33 @@ mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 PART=${1:-decode}
+# Each run gets its own limit, cut to what is left of the call's (PROBE_SECONDS, default 570 s), so one slow
+# run cannot cost the rest their output; what finished is under $OUT either way.
+DEADLINE=$(( $(date +%s) + ${PROBE_SECONDS:-570} ))
+t() {
+    local limit=$1 left; shift
+    left=$(( DEADLINE - $(date +%s) ))
+    if [ "$left" -lt 30 ]; then echo "skipped (no time left): $*"; return 0; fi
+    timeout $(( limit < left ? limit : left )) "$@" 2>&1 | grep -v -i "warn" | tail -"${TAIL:-4}"
+}
 if [ "$PART" = decode ]; then
 D="python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill"
-timeout 100 $D --out "$OUT/decode_new.json" 2>&1 | tail -3
-timeout 100 $D --without fused-sampling split-attention rope-attention --out "$OUT/decode_before.json" 2>&1 | tail -3
-timeout 90 $D --without split-attention --out "$OUT/decode_no_split.json" 2>&1 | tail -3
-timeout 90 $D --without rope-attention --out "$OUT/decode_no_rope.json" 2>&1 | tail -3
-timeout 90 $D --blas cublaslt --out "$OUT/decode_lt.json" 2>&1 | tail -3
-timeout 90 $D --with own-prefill --out "$OUT/decode_own_prefill.json" 2>&1 | tail -3
-timeout 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json" 2>&1 | tail -3
+t 100 $D --out "$OUT/decode_new.json"
+t 100 $D --without fused-sampling split-attention rope-attention --out "$OUT/decode_before.json"
+t 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json"
+t 90 $D --with own-prefill --out "$OUT/decode_own_prefill.json"
+t 90 $D --without split-attention --out "$OUT/decode_no_split.json"
+t 90 $D --without rope-attention --out "$OUT/decode_no_rope.json"
+t 90 $D --blas cublaslt --out "$OUT/decode_lt.json"
+t 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/plugins/rollout/test_rollout_hf_fast.py \
+    tests/plugins/rollout/test_hf_linear.py
 elif [ "$PART" = linear ]; then
-timeout 200 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json" 2>&1 | tail -40
-timeout 250 python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill --with skinny-linear \
-    --out "$OUT/decode_linear.json" 2>&1 | tail -3
+t 200 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json"
+t 250 python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill --with skinny-linear \
+    --out "$OUT/decode_linear.json"
 else
-timeout 150 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 --json "$OUT/megatron.jsonl" \
-    --variants default+stock default budget12288 budget12288+compile --profile budget12288 2>&1 \
-    | grep -v -i "warn"
-timeout 80 python3 benchmarks/megatron_step.py step --shape 1.5b --steps 3 --json "$OUT/megatron.jsonl" \
-    --variants budget12288 budget12288+compile 2>&1 | grep -v -i "warn"
+TAIL=60 t 150 python3 benchmarks/megatron_step.py step --shape 0.5b --steps 3 --json "$OUT/megatron.jsonl" \
+    --variants default+stock default budget12288 budget12288+compile --profile budget12288
+TAIL=30 t 80 python3 benchmarks/megatron_step.py step --shape 1.5b --steps 3 --json "$OUT/megatron.jsonl" \
+    --variants budget12288 budget12288+compile
 fi
