@@ -32,7 +32,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e (datasheet)
+BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e (datasheet); bandwidth() gives the card's own
+# Datasheet memory bandwidths (bytes/s) of the cards the device tool lends, by a word of torch's device name.
+BANDWIDTHS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def bandwidth() -> float:
+    """The memory bandwidth of the GPU this runs on (its datasheet figure), H200's where the card is unknown."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for word, value in BANDWIDTHS.items():
+            if word in name:
+                return value
+    return BANDWIDTH
 SAMPLES = 8
 
 
@@ -93,12 +107,13 @@ def weight_bytes_per_step(model: Any) -> int:
 
 def floor_per_step(weights: int, kv_token: int, prompt_lens: list[int], response_lens: list[int],
                    steps: int) -> float:
-    """Seconds per step at ``BANDWIDTH``: the weights, plus each row's cache up to its position while it decodes."""
+    """Seconds per step at the card's memory bandwidth: the weights, plus each row's cache up to its position while
+    it decodes."""
     kv = 0
     for p, r in zip(prompt_lens, response_lens, strict=True):
         live = min(r, steps)  # the row is decoded at steps 0..live-1 (step 0 is the prefill's draw)
         kv += live * p + live * (live - 1) // 2
-    return (weights + kv_token * kv / max(steps, 1)) / BANDWIDTH
+    return (weights + kv_token * kv / max(steps, 1)) / bandwidth()
 
 
 def make_prompts(rows: int, lengths: tuple[int, int], top: int, pad: int, seed: int) -> tuple[Any, int]:
@@ -201,6 +216,7 @@ def bench_shape(shape: str, batches: list[int], args: argparse.Namespace, folder
                 row["log_prob_diff"] = log_prob_check(engine, out, args.temperature)
             if args.device.startswith("cuda"):
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["gpu"] = torch.cuda.get_device_name()
             if args.profile and rows == args.profile:
                 profile(engine, prompts, params, Path(args.out).with_suffix(f".{shape}.{rows}.profile.txt"))
             engine.close()

@@ -5,6 +5,7 @@
 # compiled layers (with a profile of where its step's time goes). One H200; carry build/gpu_wheels (rebuild the
 # rlx wheel first: rm build/gpu_wheels/rlx-*.whl; pip wheel -q --no-deps . -w build/gpu_wheels).
 #   bash benchmarks/perf_probe.sh decode      # each part about 6-8 minutes: one device call each
+#   bash benchmarks/perf_probe.sh decode-ab   # decode's A/Bs and GPU tests only (beside perf_report's decode)
 #   bash benchmarks/perf_probe.sh linear      # outputs under $OUT (or ./perf_probe)
 #   bash benchmarks/perf_probe.sh megatron
 # Then benchmarks/perf_report.py for the figures beside their goals.
@@ -23,17 +24,23 @@ t() {
     if [ "$left" -lt 30 ]; then echo "skipped (no time left): $*"; return 0; fi
     timeout $(( limit < left ? limit : left )) "$@" 2>&1 | grep -v -i "warn" | tail -"${TAIL:-4}"
 }
-if [ "$PART" = decode ]; then
+if [ "$PART" = decode ] || [ "$PART" = decode-ab ]; then
+# decode-ab: the A/B runs only, for a call that also runs perf_report.py's decode group (which measures the new
+# step at 0.5b and 135m); the kernels' GPU tests come before the optional A/Bs, which the deadline may cut.
 D="python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill"
+if [ "$PART" = decode ]; then
 t 100 $D --out "$OUT/decode_new.json"
+fi
 t 100 $D --without fused-sampling split-attention rope-attention --out "$OUT/decode_before.json"
+if [ "$PART" = decode ]; then
 t 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "$OUT/decode_135m.json"
+fi
+t 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/plugins/rollout/test_rollout_hf_fast.py \
+    tests/plugins/rollout/test_hf_linear.py
 t 90 $D --with own-prefill --out "$OUT/decode_own_prefill.json"
 t 90 $D --without split-attention --out "$OUT/decode_no_split.json"
 t 90 $D --without rope-attention --out "$OUT/decode_no_rope.json"
 t 90 $D --blas cublaslt --out "$OUT/decode_lt.json"
-t 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/plugins/rollout/test_rollout_hf_fast.py \
-    tests/plugins/rollout/test_hf_linear.py
 elif [ "$PART" = linear ]; then
 t 200 python3 benchmarks/linear_probe.py --batch 8 64 512 --head --json "$OUT/linear_probe.json"
 t 250 python3 benchmarks/decode_speed.py --shape 0.5b --batch 64 --check --prefill --with skinny-linear \

@@ -188,6 +188,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def gpu_name() -> str:
+    """The card the figures came from (they are compared only within one card: floors and TRL's step move)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "none"
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for group in groups:
         rows += {"decode": decode, "step": step, "megatron": megatron}[group](args.out, args.smoke, args.timeout)
-    report = table(rows)
+    report = f"GPU: {gpu_name()}\n\n" + table(rows)
     print("\n" + report)
     (args.out / "report.json").write_text(json.dumps(rows, indent=1, default=str))
     (args.out / "report.md").write_text(report + "\n")
