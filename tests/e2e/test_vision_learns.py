@@ -3,17 +3,24 @@ on builtin:colors-train (docs/vision.md), seed 1, 80 steps.
 
 Every prompt's text is the same ("Which digit?"); the answer is the index of the image's colour, so a policy
 that does not look at the image stays at chance (0.1: the warm-started model replies with any digit equally).
-Greedy accuracy on builtin:colors-test (`val/rlx/colors/acc`) at step 80 and the reward's rise (mean of the last
-10 steps minus the first 5), measured on this 2-core machine (`python -m pytest -q -m learning
-tests/e2e/test_vision_learns.py`, and the same command line with trainer.seed=2, 3):
+Measured on this 2-core machine (`python -m pytest -q -m learning tests/e2e/test_vision_learns.py`, and the
+same command line with other trainer.seed values; docs/benchmarks.md), greedy accuracy on builtin:colors-test
+(`val/rlx/colors/acc`) every 20 steps and the sampled reward (temperature 1) over the last 10 of 80 steps (seeds 2
+and 3 measured on 2026-12-04, their last 10 steps' reward not kept; the others on 2026-12-06):
 
-    seed                  1     2     3
-    accuracy at step 20   0.1   0.1   0.4
-    accuracy at step 80   0.8   0.9   0.9
-    reward rise           0.19  0.21  0.18
+    seed                           1     2     3     4     5     6
+    greedy accuracy at step 80     0.8   0.9   0.9   1.0   0.7   0.3
+    best greedy accuracy, 20-80    0.8   0.9   0.9   1.0   0.7   0.5
+    reward, last 10 steps          0.30  -     -     0.32  0.26  0.26
+    reward rise over the first 5   0.19  0.21  0.18  0.21  0.14  0.15
 
-The thresholds (accuracy 0.4, rise 0.08) sit well below the least of these and far above what a policy that ignores
-the image reaches (accuracy 0.1, rise about 0).
+The greedy accuracy is not a steady measure: the KL loss to the warm start keeps the ten digits' probabilities
+close, so one colour's argmax flips from one evaluation to the next (seed 6: 0.5 / 0.2 / 0.1 / 0.3 at steps
+20-80), and CI's machine (another CPU, another trajectory of seed 1) ended at 0.2 (best 0.3). The sampled reward
+over 10 steps (5,120 responses) is: a policy that ignores the image scores 0.1 on it (every colour is equally
+common), with a standard error of about 0.004. So the test asks for that reward at 0.18 or more, a rise of 0.08
+over the first 5 steps, and a best greedy accuracy of 0.2 (an image-blind policy gives one digit for every image:
+0.1 at most), all well below the least of the runs above and all out of reach of a policy that does not look.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from rlx.plugins.loggers.jsonl import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
-ACC, STEPS, LEAST_ACC, LEAST_RISE = "val/rlx/colors/acc", 80, 0.4, 0.08
+ACC, STEPS, LEAST_BEST_ACC, LEAST_REWARD, LEAST_RISE = "val/rlx/colors/acc", 80, 0.2, 0.18, 0.08
 
 
 def test_the_tiny_vision_language_model_learns_to_read_the_colour(tmp_path: Path):
@@ -39,5 +46,7 @@ def test_the_tiny_vision_language_model_learns_to_read_the_colour(tmp_path: Path
     accuracy = [m[ACC] for m in metrics if ACC in m]
     rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     assert accuracy[0] <= 0.2, accuracy  # chance before training
-    assert accuracy[-1] >= LEAST_ACC, accuracy
-    assert sum(rewards[-10:]) / 10 - sum(rewards[:5]) / 5 >= LEAST_RISE, rewards
+    assert max(accuracy[1:]) >= LEAST_BEST_ACC, accuracy
+    last = sum(rewards[-10:]) / 10
+    assert last >= LEAST_REWARD, (last, rewards)
+    assert last - sum(rewards[:5]) / 5 >= LEAST_RISE, rewards
