@@ -47,6 +47,8 @@ def bandwidth() -> float:
             if word in name:
                 return value
     return BANDWIDTH
+
+
 SAMPLES = 8
 
 

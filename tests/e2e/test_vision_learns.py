@@ -17,8 +17,8 @@ and 3 measured on 2026-12-04, their last 10 steps' reward not kept; the others o
 The greedy accuracy is not a steady measure: the KL loss to the warm start keeps the ten digits' probabilities
 close, so one colour's argmax flips from one evaluation to the next (seed 6: 0.5 / 0.2 / 0.1 / 0.3 at steps
 20-80), and CI's machine (another CPU, another trajectory of seed 1) ended at 0.2 (best 0.3). The sampled reward
-over 10 steps (5,120 responses) is: a policy that ignores the image scores 0.1 on it (every colour is equally
-common), with a standard error of about 0.004. So the test asks for that reward at 0.18 or more, a rise of 0.08
+over 10 steps (5,120 responses) is steady, and a policy that ignores the image scores 0.1 on it (every colour is
+equally common) with a standard error of about 0.004. So the test asks for that reward at 0.18 or more, a rise of 0.08
 over the first 5 steps, and a best greedy accuracy of 0.2 (an image-blind policy gives one digit for every image:
 0.1 at most), all well below the least of the runs above and all out of reach of a policy that does not look.
 """
