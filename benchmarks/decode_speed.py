@@ -32,13 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e (datasheet); bandwidth() gives the card's own
-# Datasheet memory bandwidths (bytes/s) of the cards the device tool lends, by a word of torch's device name.
+# Datasheet memory bandwidths (bytes/s) of the cards the device tool lends, by a word of torch's device name
+# (H200: HBM3e; H100 SXM: HBM3).
 BANDWIDTHS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 
 def bandwidth() -> float:
-    """The memory bandwidth of the GPU this runs on (its datasheet figure), H200's where the card is unknown."""
+    """The memory bandwidth of the GPU this runs on (its datasheet figure), H200's where the card is unknown
+    (also linear_probe.py's floor)."""
     import torch
 
     if torch.cuda.is_available():
@@ -46,7 +47,7 @@ def bandwidth() -> float:
         for word, value in BANDWIDTHS.items():
             if word in name:
                 return value
-    return BANDWIDTH
+    return BANDWIDTHS["H200"]
 
 
 SAMPLES = 8

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e (datasheet)
+from decode_speed import bandwidth  # the card's memory bandwidth (this folder is on the path when run as a script)
+
 MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {"layers": 24, "shapes": {"qkv": (1152, 896, True), "o": (896, 896, False),
                                               "gate_up": (9728, 896, False), "down": (896, 4864, False)},
@@ -40,7 +41,7 @@ SMOKE_MODELS: dict[str, dict[str, Any]] = {  # odd sizes: partial tiles, splits 
 
 
 def floor_us(rows: int, n: int, k: int, element: int) -> float:
-    return (n * k + rows * k + rows * n) * element / BANDWIDTH * 1e6
+    return (n * k + rows * k + rows * n) * element / bandwidth() * 1e6
 
 
 def wall_clock(name: str, fn: Any, w: Any) -> float:
@@ -137,7 +138,8 @@ def main() -> int:
         batches, dtype, device = args.batch, getattr(torch, args.dtype), "cuda"
         props = torch.cuda.get_device_properties(0)
         print(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB; "
-              f"torch {torch.__version__}, triton {__import__('triton').__version__}; floor at {BANDWIDTH / 1e12} TB/s")
+              f"torch {torch.__version__}, triton {__import__('triton').__version__}; "
+              f"floor at {bandwidth() / 1e12} TB/s")
     records: list[dict[str, Any]] = []
     broken: list[str] = []
     for model, spec in models.items():
