@@ -66,6 +66,7 @@ from rlx.plugins.backends.ulysses import (
     ulysses_size,
     use_ulysses_attention,
 )
+from rlx.plugins.modeling import checkpointing
 from rlx.plugins.modeling.checks import COMPILE_FSDP1, CONFIG_PROBLEMS, LORA_FSDP1
 from rlx.plugins.modeling.dist import (
     DCP_DIR,
@@ -290,7 +291,7 @@ class FSDPWorker(TorchWorker):
             self.generation_config = getattr(model, "generation_config", None)
         if self.spec.trainable and self.spec.gradient_checkpointing:
             # non-reentrant checkpointing: the re-entrant form does not work with FSDP's hooks
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing.enable(model, {"use_reentrant": False})
 
     def _freeze(self, model: Any) -> None:
         """actor.freeze_vision_tower: the vision tower's parameters (and adapters) do not train."""

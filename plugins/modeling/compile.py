@@ -8,6 +8,8 @@ import functools
 import shutil
 from typing import Any
 
+from rlx.plugins.modeling import checkpointing as activation_checkpointing
+
 # What torch.compile's CPU backend (inductor) builds its kernels with; one must be on PATH.
 CXX_COMPILERS = ("g++", "c++", "clang++")
 
@@ -36,9 +38,9 @@ def compile_decoder_layers(hf_model: Any, role: str = "actor") -> int:
         raise UserError(f"{section}.use_torch_compile=true on the CPU needs a C++ compiler (torch.compile builds "
                         f"its CPU kernels with one), and none of {', '.join(CXX_COMPILERS)} is on PATH.",
                         f"Install g++ (e.g. apt-get install g++), or set {section}.use_torch_compile=false.")
-    checkpointing = bool(getattr(hf_model, "is_gradient_checkpointing", False))
+    checkpointing = activation_checkpointing.is_on(hf_model)
     if checkpointing:
-        hf_model.gradient_checkpointing_disable()
+        activation_checkpointing.disable(hf_model)
     for layer in layers:
         if checkpointing:
             layer.forward = _checkpointed(layer.forward)

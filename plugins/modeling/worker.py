@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx.config import resolve_dtype
+from rlx.plugins.modeling import checkpointing
 from rlx.plugins.modeling.compile import compile_decoder_layers
 from rlx.plugins.modeling.head import response_log_probs, response_values
 from rlx.plugins.modeling.model import (
@@ -100,7 +101,7 @@ class TorchWorker:
                          and self.compute_dtype != torch.float32)
         hf_model = self.model.get_base_model() if self.lora is not None else self.model
         if spec.trainable and spec.gradient_checkpointing:
-            hf_model.gradient_checkpointing_enable()
+            checkpointing.enable(hf_model)
             if self.lora is not None:  # the frozen embeddings' output must carry gradients into the layers
                 hf_model.enable_input_require_grads()
         self._set_up_forward(hf_model)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import UserError, describe_exception
+from rlx.plugins.modeling import checkpointing
 from rlx.plugins.modeling.model import pick_device
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.plugins.tasks.datasets import (
@@ -232,7 +233,7 @@ class RewardModelWorker(TorchWorker):
         self.model = model.to(self.device)
         self.autocast = self.device != "cpu" and self.compute_dtype != torch.float32
         if spec.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            checkpointing.enable(self.model)
         self._set_up_optimizer()
 
     def set_pad_token_id(self, pad_token_id: int) -> None:

@@ -20,8 +20,8 @@ from test_packing import ATOL, assert_grads_close
 
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
+from rlx.plugins.modeling import checkpointing, packing
 from rlx.plugins.modeling import compile as compiling
-from rlx.plugins.modeling import packing
 from rlx.plugins.modeling.compile import compile_decoder_layers
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
@@ -114,7 +114,7 @@ def test_gradient_checkpointing_still_saves_memory_in_compiled_layers(model_path
     batch.tensors["old_log_probs"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
     plain = saved_bytes(worker(model_path, use_torch_compile=True), batch)
     checkpointed = worker(model_path, use_torch_compile=True, gradient_checkpointing=True)
-    assert not checkpointed.hf_model.is_gradient_checkpointing  # transformers' own wrapping is off ...
+    assert not checkpointing.is_on(checkpointed.hf_model)  # transformers' own wrapping is off ...
     assert saved_bytes(checkpointed, batch) < 0.6 * plain  # ... and the layers recompute inside their graph
 
 

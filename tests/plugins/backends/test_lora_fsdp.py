@@ -28,6 +28,7 @@ from test_fsdp import SCHEDULE, actor_loss, free_port, fsdp_worker, minibatches,
 from rlx.dispatch import shard
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
+from rlx.plugins.modeling import checkpointing
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
 from rlx.protocols import RoleSpec
 from rlx.records import ForwardOptions, LoraSpec
@@ -305,7 +306,7 @@ def test_gradient_checkpointing_with_lora(group: Any, tiny_model_path: str, refe
     """Recomputed activations (non-reentrant checkpointing through peft's wrapper) change nothing."""
     spec = dataclasses.replace(actor_spec(tiny_model_path), gradient_checkpointing=True)
     worker = fsdp2(spec)
-    assert worker.hf_model.is_gradient_checkpointing
+    assert checkpointing.is_on(worker.hf_model)
     metrics = worker.update(minibatches(reference["batch"]), actor_loss(), CTX)
     assert_metrics(metrics, reference["actor_metrics"], "checkpointing, 1 rank")
     assert_weights(state(worker.named_weights()), reference["actor_weights"], "checkpointing, 1 rank")

@@ -24,6 +24,7 @@ from test_fsdp import free_port
 from rlx.batch import Batch
 from rlx.dispatch import shard
 from rlx.plugins.algorithms.base import CriticLoss
+from rlx.plugins.modeling import checkpointing
 from rlx.plugins.modeling.head import response_log_probs, response_values
 from rlx.plugins.modeling.packing import model_inputs
 from rlx.plugins.modeling.worker import TorchBackendOptions, TorchWorker
@@ -325,7 +326,7 @@ def test_gradient_checkpointing_combines_with_packing_and_the_chunked_head(model
     for recompute in (False, True):
         spec_ = dataclasses.replace(spec(model_path, log_prob_chunk_size=5), gradient_checkpointing=recompute)
         w = TorchWorker(spec_, TorchBackendOptions(), "cpu")
-        assert w.packed and w.model.is_gradient_checkpointing is recompute
+        assert w.packed and checkpointing.is_on(w.model) is recompute
         loss, _ = grpo_loss(entropy_coeff=0.01)(w.forward(batch, grad=True), batch, batch_ctx)
         loss.backward()
         out[recompute] = grads(w.model)
