@@ -276,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
-    ap.add_argument("--with", dest="with_", nargs="*", default=[], choices=["skinny-linear", "own-prefill"],
-                    help="turn on what is off by default (skinny-linear: per-shape Triton products; own-prefill)")
-    ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention", "rope-attention"],
-                    help="turn off one of the decode step's kernels (the before of an A/B in one call)")
+    ap.add_argument("--with", dest="with_", nargs="*", default=[], choices=["skinny-linear"],
+                    help="turn on what is off by default (skinny-linear: per-shape Triton products)")
+    ap.add_argument("--without", nargs="*", default=[], choices=["fused-sampling", "split-attention", "rope-attention",
+                                                              "own-prefill"],
+                    help="turn off one of the decode step's kernels or rlx's own prefill (the before of an A/B)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.batch, args.device, args.compile, args.repeats, args.check, args.prefill = (
@@ -298,10 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlx.plugins.rollout import hf_static as slots
 
         slots.SKINNY_LINEAR = True
-    if "own-prefill" in args.with_:
+    if "own-prefill" in args.without:  # the model's own forward for the prompts, then a copy into the cache
         from rlx.plugins.rollout import hf_static as slots
 
-        slots.OWN_PREFILL = True
+        slots.OWN_PREFILL = False
     if "fused-sampling" in args.without:  # torch's sampling operations in the compiled step
         from rlx.plugins.rollout import hf_kernels
 

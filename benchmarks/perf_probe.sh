@@ -37,7 +37,7 @@ t 90 python3 benchmarks/decode_speed.py --shape 135m --batch 512 --check --out "
 fi
 t 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/plugins/rollout/test_rollout_hf_fast.py \
     tests/plugins/rollout/test_hf_linear.py
-t 90 $D --with own-prefill --out "$OUT/decode_own_prefill.json"
+t 90 $D --without own-prefill --out "$OUT/decode_model_prefill.json"
 t 90 $D --without split-attention --out "$OUT/decode_no_split.json"
 t 90 $D --without rope-attention --out "$OUT/decode_no_rope.json"
 t 90 $D --blas cublaslt --out "$OUT/decode_lt.json"

@@ -46,9 +46,9 @@ DECODE_ATTENTION = "rlx_sdpa_decode"
 # --with skinny-linear turns it on for a run): its first use tunes every shape, which costs compilation time.
 SKINNY_LINEAR = False
 # The slot decoder's prefill through rlx's own pass over the fused weights (slot_prefill, compiled with the step),
-# writing keys and values straight into its cache; off: the model's own forward and a copy. Off until measured
-# on a GPU (decode_speed.py --with own-prefill).
-OWN_PREFILL = False
+# writing keys and values straight into its cache; off: the model's own forward and a copy. Measured on an H100
+# (2026-12-07, 0.5b shape, 64 prompts of 214 tokens): prefill 0.030 s against 0.060 s, the same log-probs.
+OWN_PREFILL = True
 # Round 3's decode kernels (the fused sampling, the attention in ranges and with the rotary embedding inside it).
 # A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
 # warning, and the engine decodes again with the kernels before them.
