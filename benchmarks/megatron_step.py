@@ -142,10 +142,12 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -
                         forward=forward)
         options = MegatronOptions(tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
                                   sequence_parallel=job["tp"] > 1 and job["sp"])
-        if job.get("stock"):  # megatron-core's own fallbacks (per-tensor loops, foreach AdamW): the "before"
-            import rlx.plugins.backends.megatron as backend
+        import rlx.plugins.backends.megatron as backend
 
+        if job.get("stock"):  # megatron-core's own fallbacks (per-tensor loops, foreach AdamW): the "before"
             backend.use_torch_kernels = lambda optimizer: None
+        if job.get("tphead"):  # the vocabulary-parallel head function at one TP rank too: the head's "before"
+            backend.WHOLE_VOCABULARY_HEAD = False
         worker = MegatronWorker(spec, options, "cuda")
         info = worker.dispatch_info()
         full = make_batch(job["rows"] * info.dp_size, job["prompt"], job["response"], job["vocab"], seed=1)
@@ -257,17 +259,18 @@ def flops_per_token(shape: dict[str, int], seq: int) -> float:
 def parse_variant(variant: str) -> dict[str, Any]:
     """``micro4`` / ``budget12288`` (rows per micro-batch, or a token budget), ``+stock`` (megatron-core's own
     optimizer fallbacks, the before of use_torch_kernels), ``+compile`` (``actor.use_torch_compile``: each decoder
-    layer compiled)."""
+    layer compiled), ``+tphead`` (the vocabulary-parallel head function at one TP rank, the before of the torch
+    backends' chunked head there)."""
     job: dict[str, Any] = {}
     for part in variant.split("+"):
         if part.startswith("micro"):
             job["micro"] = int(part[5:])
         elif part.startswith("budget"):
             job["budget"] = int(part[6:])
-        elif part in ("stock", "compile"):
+        elif part in ("stock", "compile", "tphead"):
             job[part] = True
         elif part != "default":
-            raise SystemExit(f"unknown variant part {part!r} (microN, budgetN, stock, compile, default)")
+            raise SystemExit(f"unknown variant part {part!r} (microN, budgetN, stock, compile, tphead, default)")
     return job
 
 
@@ -336,6 +339,7 @@ def smoke(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "plugins" / "backends"))
     from test_megatron import emulate_cuda_placement  # type: ignore[import-not-found]
 
+    import rlx.plugins.backends.megatron as backend
     from rlx.plugins.backends.megatron import (
         MegatronOptions,
         compile_layers,
@@ -364,10 +368,12 @@ def smoke(args: argparse.Namespace) -> None:
                 compile_layers(chunks)
             batch = make_batch(args.rows, args.prompt, args.response, 512, seed=1)
             t0 = time.perf_counter()
+            compiled = bool(job.get("compile"))
+            backend.WHOLE_VOCABULARY_HEAD = not job.get("tphead")
             with torch.no_grad():
-                run_model(chunks[0], batch, 1, 4)
+                run_model(chunks[0], batch, 1, 4, compiled_head=compiled)
             t1 = time.perf_counter()
-            output, where = run_model(chunks[0], batch, 1, 4)
+            output, where = run_model(chunks[0], batch, 1, 4, compiled_head=compiled)
             out = model_outputs(output, where, batch, value_head=False, with_entropy=True, head_done=True)
             (out["log_probs"] * batch["advantages"]).sum().backward()
             t2 = time.perf_counter()
@@ -402,7 +408,8 @@ def main() -> None:
     p.add_argument("--head-chunk", nargs="+", type=int, default=[DEFAULT_CHUNK_SIZE],
                    help="actor.log_prob_chunk_size values to run (0: the full head); one row each")
     p.add_argument("--variants", nargs="+", default=["default"],
-                   help="one row each: default, micro16, budget12288, +stock, +compile (e.g. budget12288+compile)")
+                   help="one row each: default, micro16, budget12288, +stock, +compile, +tphead "
+                        "(e.g. budget12288+compile)")
     p.add_argument("--profile", nargs="*", default=[], help="variants to profile one more step of (rank 0)")
     p.add_argument("--json", default=None, help="append one JSON line per row to this file")
     p.add_argument("--smoke", action="store_true", help="the CPU, a tiny model, no GPU (CI): see smoke()")

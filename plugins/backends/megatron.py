@@ -311,17 +311,32 @@ def _vocab_parallel_function() -> type:
     return VocabParallelLogProbs
 
 
+# One TP rank: the head through the torch backends' chunked head (False: the vocabulary-parallel function at every
+# TP size, the before of benchmarks/megatron_step.py's A/B, variant part ``tphead``).
+WHOLE_VOCABULARY_HEAD = True
+
+
 def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                 chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int, with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies (n,), float32, from hidden states (n, H) and this TP rank's
     shard of the head (V/tp, H): the logits of ``chunk`` positions at a time, in the compute dtype, reduced
     in float32 over the TP group (:func:`vocab_parallel_log_probs`). With gradients each chunk is
     checkpointed: its logits are formed again in the backward pass, so no (n, V/tp) tensor is kept. Entropy
-    is 0 unless ``with_entropy``."""
+    is 0 unless ``with_entropy``.
+
+    With one TP rank (the whole vocabulary here) it is the torch backends' chunked head
+    (:func:`rlx.plugins.modeling.head.chunked_head`, its element-wise work compiled where ``compiled``): the
+    same numbers in two or three passes over each chunk's logits where the function above makes one per
+    operation (on an H100 its exp, sub and mul kernels were a fifth of the 0.5b update's GPU time)."""
     import torch
     from megatron.core import parallel_state as mpu
     from torch.utils.checkpoint import checkpoint
 
+    if WHOLE_VOCABULARY_HEAD and mpu.get_tensor_model_parallel_world_size() == 1:
+        from rlx.plugins.modeling.head import chunked_head as whole_vocabulary_head
+
+        lp, ent = whole_vocabulary_head(hidden, weight, None, targets, temperature, chunk, compiled)
+        return lp, ent if with_entropy else torch.zeros_like(lp)
     group = mpu.get_tensor_model_parallel_group()
     vocab_start = mpu.get_tensor_model_parallel_rank() * weight.shape[0]
 
@@ -363,7 +378,7 @@ _CONTIGUOUS_GRAD: Any = None
 
 @contextlib.contextmanager
 def head_replaced(head: Any, where: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-                  with_entropy: bool) -> Iterator[None]:
+                  with_entropy: bool, compiled: bool = False) -> Iterator[None]:
     """While inside, the last stage's ``output_layer`` (megatron-core's ``ColumnParallelLinear``) forms no
     logits: it receives an empty sequence, and its output becomes :func:`chunked_head`'s log-probs and
     entropies at the response positions ``where`` (b, R), stacked as (R, b, 2), which GPTModel returns
@@ -393,7 +408,7 @@ def head_replaced(head: Any, where: torch.Tensor, targets: torch.Tensor, tempera
         if not module.sequence_parallel:
             picked = contiguous_grad(copy_to_tensor_model_parallel_region(picked))
         lp, ent = chunked_head(picked.reshape(b * r, -1), module.weight if weight is None else weight,
-                               targets.reshape(-1), temperature, chunk, with_entropy)
+                               targets.reshape(-1), temperature, chunk, with_entropy, compiled)
         return torch.stack([lp, ent], dim=-1).view(b, r, 2).transpose(0, 1), None
 
     handles = [head.register_forward_pre_hook(before, with_kwargs=True),
@@ -406,11 +421,12 @@ def head_replaced(head: Any, where: torch.Tensor, targets: torch.Tensor, tempera
 
 
 def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with_entropy: bool = True,
-              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              temperature: float = 1.0, compiled_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One model chunk's forward pass on ``micro``: (its output: logits (b, L, V/tp), values (b, L, 1) or,
     before the last pipeline stage, hidden states; the positions (b, R) that score the response tokens).
     ``head_chunk`` > 0 on a last stage with a language-model head: the output is the response tokens' log-probs
-    and entropies (b, R, 2) from :func:`head_replaced`, never the logits of every position."""
+    and entropies (b, R, 2) from :func:`head_replaced`, never the logits of every position (its element-wise
+    work compiled where ``compiled_head``: ``use_torch_compile``)."""
     import torch
 
     ids, where = right_aligned(micro, multiple)
@@ -418,7 +434,8 @@ def run_model(model: Any, micro: Batch, multiple: int, head_chunk: int = 0, with
     inner = getattr(model, "module", model)  # megatron's DDP wraps a trainable chunk
     if head_chunk and inner.post_process and is_lm_head(inner.output_layer):
         responses = micro["responses"].to(ids.device)
-        with head_replaced(inner.output_layer, where, responses, float(temperature), head_chunk, with_entropy):
+        with head_replaced(inner.output_layer, where, responses, float(temperature), head_chunk, with_entropy,
+                           compiled_head):
             return model(ids, positions, None), where
     return model(ids, positions, None), where
 
@@ -675,7 +692,7 @@ class MegatronWorker:
     def _run_chunk(self, model: Any, micro: Batch, with_entropy: bool = True,
                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         return run_model(model, micro, self.tp_size if self.options.sequence_parallel else 1, self.head_chunk,
-                         with_entropy, temperature)
+                         with_entropy, temperature, compiled_head=self.spec.forward.use_torch_compile)
 
     def _outputs(self, output: torch.Tensor, where: torch.Tensor, micro: Batch, with_entropy: bool,
                  temperature: float = 1.0) -> dict[str, torch.Tensor]:

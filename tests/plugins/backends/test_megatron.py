@@ -142,7 +142,8 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
     """The backend's forward pass (``run_model`` + ``model_outputs``) on ``batch``, then the gradients of
     sum((log_probs + 0.1 entropy) * mask) (or of sum(values^2)) as full tensors with Hugging Face names
     (each parameter's gradient written into it, then exported like weights). ``head_chunk`` > 0: the chunked
-    head, that many response positions at a time."""
+    head, that many response positions at a time. ``compiled``: the layers and the head's element-wise work
+    compiled, as ``use_torch_compile`` does."""
     config = read_hf_config(path)
     bridge = make_bridge(config, torch.float32, config_overrides(options, torch.float32, on_cpu=True))
     chunks = build_chunks(bridge, config, value_head=value_head, use_te=False, vpp=None, device="cpu")
@@ -155,7 +156,7 @@ def forward_and_grads(path: str, options: MegatronOptions, batch: Batch, value_h
         with torch.no_grad():
             chunks[0].output_layer.weight.copy_(head["weight"])
             chunks[0].output_layer.bias.copy_(head["bias"])
-    output, where = run_model(chunks[0], batch, 1, head_chunk, temperature=TEMPERATURE)
+    output, where = run_model(chunks[0], batch, 1, head_chunk, temperature=TEMPERATURE, compiled_head=compiled)
     out = model_outputs(output, where, batch, value_head=value_head, with_entropy=True, head_done=head_chunk > 0,
                         temperature=TEMPERATURE)
     if value_head:
@@ -396,11 +397,11 @@ def test_tensor_parallel_forward_and_gradients_match_one_rank(
 
 def test_compiled_layers_give_the_eager_numbers_and_gradients(llama_path: str, one_rank: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """actor.use_torch_compile on the megatron backend: every decoder layer compiled (dynamic shapes) gives the
-    eager layers' log-probs, entropies and every weight's gradient (float32 on the CPU; the compiler reorders
-    sums), with no graph break (megatron-core's per-call deprecation warning would split each linear layer's
-    graph). megatron-core's recomputation forks CUDA random states, so compiled + recomputed layers are checked
-    on a GPU only (benchmarks/megatron_step.py)."""
+    """actor.use_torch_compile on the megatron backend: every decoder layer compiled (dynamic shapes), and the
+    chunked head's element-wise work, give the eager layers' log-probs, entropies and every weight's gradient
+    (float32 on the CPU; the compiler reorders sums), with no graph break (megatron-core's per-call deprecation
+    warning would split each linear layer's graph). megatron-core's recomputation forks CUDA random states, so
+    compiled + recomputed layers are checked on a GPU only (benchmarks/megatron_step.py)."""
     import torch._dynamo
 
     emulate_cuda_placement(monkeypatch.setattr)
