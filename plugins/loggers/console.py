@@ -211,12 +211,12 @@ class ConsoleLogger:
             return
         self._finished = True
         self._stop_bar()
-        if self.last_step is None:
-            self._print("done: no steps logged")
-            return
         # Called while an error or Ctrl-C is on its way out of the trainer (which finishes its loggers in a
-        # `finally`), the run stopped: it is not done.
+        # `finally`), the run stopped: it is not done (the error's own message follows this line).
         stopped = sys.exc_info()[1] is not None
+        if self.last_step is None:
+            self._print("stopped before the first step" if stopped else "done: no steps logged")
+            return
         steps = f"step {self.last_step}" + (f"/{self.total}" if self.total else "")
         parts = [f"stopped at {steps}" if stopped else f"done: {steps}"]
         mean = _num(self.last_metrics, "reward/mean")

@@ -151,6 +151,14 @@ def test_console_total_steps_and_finish_without_steps():
     logger.finish()
     logger.finish()  # once only
     assert out.getvalue() == "done: no steps logged\n"
+    # finished by the trainer's `finally` while an error leaves it before any step: not "done"
+    out = io.StringIO()
+    logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(), console=Console(file=out, color_system=None))
+    try:
+        raise ValueError("bad data")
+    except ValueError:
+        logger.finish()
+    assert out.getvalue() == "stopped before the first step\n"
 
 
 def test_console_samples_are_clipped_and_one_line_each():
