@@ -23,7 +23,8 @@ t() {
     left=$(( DEADLINE - $(date +%s) ))
     if [ "$left" -lt 30 ]; then echo "skipped (no time left): $*"; return 0; fi
     # the whole output kept in $OUT/probe.log (a call's reply holds only its tail)
-    timeout $(( limit < left ? limit : left )) "$@" 2>&1 | tee -a "$OUT/probe.log" | grep -v -i "warn" | tail -"${TAIL:-4}"
+    timeout $(( limit < left ? limit : left )) "$@" 2>&1 | tee -a "$OUT/probe.log" | grep -v -i "warn" \
+        | tail -"${TAIL:-4}"
 }
 if [ "$PART" = decode ] || [ "$PART" = decode-ab ]; then
 # decode-ab: the A/B runs only, for a call that also runs perf_report.py's decode group (which measures the new

@@ -326,8 +326,9 @@ def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
     With one TP rank (the whole vocabulary here) it is the torch backends' chunked head
     (:func:`rlx.plugins.modeling.head.chunked_head`, its element-wise work compiled where ``compiled``): the
-    same numbers in two or three passes over each chunk's logits where the function above makes one per
-    operation (on an H100 its exp, sub and mul kernels were a fifth of the 0.5b update's GPU time)."""
+    same numbers, compiled in two or three passes over each chunk's logits where the function above makes one
+    per operation (on an H100 its forward passes' exp, sub, mul and div kernels were a fifth of the GPU kernel
+    time of a 0.5b log-prob pass and update, not compiled)."""
     import torch
     from megatron.core import parallel_state as mpu
     from torch.utils.checkpoint import checkpoint

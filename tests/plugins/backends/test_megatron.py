@@ -420,16 +420,20 @@ def test_compiled_layers_give_the_eager_numbers_and_gradients(llama_path: str, o
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("whole_vocabulary", [True, False], ids=["torch-head", "vocab-parallel"])
 @pytest.mark.parametrize("which", ["qwen2", "llama"])
 def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
-        which: str, tiny_model_path: str, llama_path: str, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        which: str, whole_vocabulary: bool, tiny_model_path: str, llama_path: str, one_rank: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """actor.log_prob_chunk_size: the head's logits formed 5 response positions at a time (several chunks per
     row, one crossing rows), each chunk recomputed in the backward pass, give the full head's log-probs,
     entropies and every weight's gradient (float32, 1e-6 of each tensor's scale); tied (Qwen2: the embedding is the
-    head) and untied."""
+    head) and untied. At one TP rank through the torch backends' chunked head (the default) and through the
+    vocabulary-parallel function (``WHOLE_VOCABULARY_HEAD=False``, what TP > 1 runs)."""
     import rlx.plugins.backends.megatron as backend
 
     emulate_cuda_placement(monkeypatch.setattr)
+    monkeypatch.setattr(backend, "WHOLE_VOCABULARY_HEAD", whole_vocabulary)
     path = llama_path if which == "llama" else tiny_model_path
     full = forward_and_grads(path, MegatronOptions(), forward_batch())
     calls: list[tuple[int, int]] = []
@@ -451,6 +455,31 @@ def test_the_chunked_head_gives_the_full_heads_numbers_and_gradients(
         # embedding's reach 60 and differ by 1e-5 on some CPUs, 2e-7 of its scale)
         scale = max(1.0, grad.abs().max().item())
         torch.testing.assert_close(chunked["grads"][name], grad, atol=1e-6 * scale, rtol=1e-5, msg=name)
+
+
+
+@pytest.mark.parametrize("whole_vocabulary", [True, False], ids=["torch-head", "vocab-parallel"])
+def test_the_chunked_head_without_entropy_gives_zeros_and_the_same_log_probs(
+        whole_vocabulary: bool, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with_entropy=False`` (a loss without an entropy term): entropies are 0, the log-probs and the gradients
+    of the hidden states and head are those of the call with entropies, on either path at one TP rank."""
+    import rlx.plugins.backends.megatron as backend
+
+    monkeypatch.setattr(backend, "WHOLE_VOCABULARY_HEAD", whole_vocabulary)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen)
+    targets = torch.randint(0, 40, (7,), generator=gen)
+    out = {}
+    for with_entropy in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = backend.chunked_head(h, w, targets, 0.7, 3, with_entropy)
+        lp.sum().backward()
+        out[with_entropy] = (lp.detach(), ent.detach(), h.grad, w.grad)
+    assert torch.equal(out[False][1], torch.zeros(7))
+    assert out[True][1].min() > 0
+    for i in (0, 2, 3):  # log-probs, the hidden states' gradient, the head's
+        torch.testing.assert_close(out[False][i], out[True][i], atol=1e-6, rtol=1e-6)
 
 
 def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
