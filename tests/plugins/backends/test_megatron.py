@@ -409,7 +409,13 @@ def test_compiled_layers_give_the_eager_numbers_and_gradients(llama_path: str, o
     eager = forward_and_grads(llama_path, options, forward_batch(), head_chunk=5)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    import rlx.plugins.modeling.head as torch_head
+
+    flags: list[bool] = []
+    real = torch_head.chunked_head
+    monkeypatch.setattr(torch_head, "chunked_head", lambda *a: flags.append(a[-1]) or real(*a))
     compiled = forward_and_grads(llama_path, options, forward_batch(), head_chunk=5, compiled=True)
+    assert flags == [True]  # the head's element-wise work compiled too
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     for key in ("log_probs", "entropy"):
@@ -464,8 +470,17 @@ def test_the_chunked_head_without_entropy_gives_zeros_and_the_same_log_probs(
     """``with_entropy=False`` (a loss without an entropy term): entropies are 0, the log-probs and the gradients
     of the hidden states and head are those of the call with entropies, on either path at one TP rank."""
     import rlx.plugins.backends.megatron as backend
+    import rlx.plugins.modeling.head as torch_head
 
     monkeypatch.setattr(backend, "WHOLE_VOCABULARY_HEAD", whole_vocabulary)
+    calls: list[bool] = []
+    real = torch_head.chunked_head
+
+    def spy(*args: Any) -> Any:
+        calls.append(args[-1])  # compiled
+        return real(*args)
+
+    monkeypatch.setattr(torch_head, "chunked_head", spy)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 16, generator=gen)
     weight = torch.randn(40, 16, generator=gen)
@@ -480,6 +495,7 @@ def test_the_chunked_head_without_entropy_gives_zeros_and_the_same_log_probs(
     assert out[True][1].min() > 0
     for i in (0, 2, 3):  # log-probs, the hidden states' gradient, the head's
         torch.testing.assert_close(out[False][i], out[True][i], atol=1e-6, rtol=1e-6)
+    assert calls == ([False, False] if whole_vocabulary else [])  # which path ran: the torch head only at one rank
 
 
 def test_the_attention_core_is_pytorchs_fused_attention_with_megatrons_numbers(
