@@ -845,12 +845,14 @@ class SlotDecoder:
             t[:new] = t[order]
         self.live = new
 
-    def capture(self, ids: Any, mask: Any, real_rows: int, warmup: int = 2) -> None:
+    def capture(self, warmup: int = 2) -> None:
         """Record one step per bucket, each after warm-up steps on a side stream (compilation and library
-        workspaces happen there); the prompts are prefilled again before decoding."""
+        workspaces happen there). The warm-up steps run on whatever the slots hold (zeros in a new decoder: every
+        index in range, no NaN from the zero cache); the prefill that follows resets every slot, output and the
+        cache columns the warm-ups wrote, so no prefill is spent on the recording (with
+        ``rollout.free_on_sleep=discard`` the graphs are recorded again at every rollout)."""
         import torch
 
-        self.prefill(ids, mask, real_rows)
         for b in buckets(self.batch):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -873,7 +875,7 @@ class SlotDecoder:
         has stopped, or when ``interrupt`` was set (both looked at every ``check_every`` steps, when the rows
         still decoding are also compacted)."""
         if self.max_tokens > 1 and self.use_graph and not self.graphs:
-            self.capture(ids, mask, real_rows)
+            self.capture()
         self.prefill(ids, mask, real_rows)
         width = self.max_tokens
         if self.max_tokens == 1 or bool(self.done.all()):
