@@ -107,14 +107,49 @@ def _logit_grads(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entr
 @functools.cache
 def _head_fns(compiled: bool) -> tuple[Any, Any]:
     """The chunked head's two per-chunk element-wise functions, eager or compiled (``torch.compile``, made
-    once per process; shapes dynamic after the first change: the last chunk is shorter). Compiled, each is
-    one or two passes over the chunk's compute-dtype logits instead of a pass per operation."""
+    once per process). Compiled, each is one or two passes over the chunk's compute-dtype logits instead of a
+    pass per operation. Through :func:`_own` their row count is symbolic from the first compilation and every
+    per-row input sits at storage offset 0, and a chunk of one row takes the eager functions (:func:`_spans`
+    leaves one only in corner cases), so each compiles once per process. Before, a later compilation came at
+    whatever step first met a new case: the built-in job on the CPU compiled the head again at its third and
+    fourth steps."""
     grads = functools.partial(_logit_grads, fused=compiled)
     if not compiled:
         return _logit_stats, grads
     import torch
 
     return torch.compile(_logit_stats), torch.compile(grads)
+
+
+def _spans(n: int, chunk: int) -> list[slice]:
+    """The chunks of ``n`` rows: ``chunk`` rows each, the last one shorter. A last chunk of one row takes a
+    row from the one before it (two rows, and ``chunk - 1`` before), so no chunk is larger than ``chunk`` and
+    a row alone is left only where ``n`` or ``chunk`` is 1 or ``chunk`` is 2: a compiled function
+    specialises a size of 1, so such a chunk takes the eager functions (:func:`_fns`)."""
+    starts = list(range(0, n, max(chunk, 1)))
+    if len(starts) > 1 and n - starts[-1] == 1 and chunk > 2:
+        starts[-1] -= 1
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True)] if starts else []
+
+
+def _own(t: torch.Tensor | None, compiled: bool) -> torch.Tensor | None:
+    """A chunk's logits or per-row vector for a compiled function: rows marked dynamic (else the first
+    compilation is for the first chunk's row count and the shorter last chunk compiles again), a vector
+    copied to storage offset 0 (a view's offset is specialised, 0 apart from the rest). Eager: ``t``."""
+    if not compiled or t is None:
+        return t
+    import torch
+
+    if t.dim() == 1:
+        t = t.clone()
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
+
+
+def _fns(rows: int, compiled: bool) -> tuple[Any, Any]:
+    """The head functions for a chunk of ``rows``: the eager ones for a single row (the compiler
+    specialises a size of 1)."""
+    return _head_fns(compiled and rows > 1)
 
 
 def _make_chunked_head() -> type:
@@ -136,14 +171,15 @@ def _make_chunked_head() -> type:
             dtype = _head_compute_dtype(weight)
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
-            stats, _ = _head_fns(compiled)
             n = hidden.shape[0]
             log_probs = hidden.new_empty(n, dtype=torch.float32)
             entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)
-            for s in range(0, n, chunk):
-                z = _chunk_logits(hidden[s:s + chunk], w, b)  # (c, V) in the compute dtype
-                lse[s:s + chunk], log_probs[s:s + chunk], entropy[s:s + chunk] = stats(
-                    z, targets[s:s + chunk], temperature)
+            for part in _spans(n, chunk):
+                z = _chunk_logits(hidden[part], w, b)  # (c, V) in the compute dtype
+                c = part.stop - part.start
+                own = functools.partial(_own, compiled=compiled and c > 1)
+                stats, _ = _fns(c, compiled)
+                lse[part], log_probs[part], entropy[part] = stats(own(z), own(targets[part]), temperature)
             ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
             ctx.dtype, ctx.temperature, ctx.chunk, ctx.compiled = dtype, temperature, chunk, compiled
             return log_probs, entropy
@@ -154,17 +190,18 @@ def _make_chunked_head() -> type:
             need_h, need_w, need_b = ctx.needs_input_grad[:3]
             if grad_lp is None and grad_ent is None:
                 return (None,) * 7
-            _, grads = _head_fns(ctx.compiled)
             w = weight.to(ctx.dtype)
             b = bias.to(ctx.dtype) if bias is not None else None
             d_hidden = torch.empty_like(hidden) if need_h else None
             d_weight: torch.Tensor | None = None  # float32 sums over the chunks
             d_bias: torch.Tensor | None = None
-            for s in range(0, hidden.shape[0], ctx.chunk):
-                h, part = hidden[s:s + ctx.chunk], slice(s, s + ctx.chunk)
-                dz = grads(_chunk_logits(h, w, b), targets[part], lse[part], entropy[part],
-                           grad_lp[part] if grad_lp is not None else None,
-                           grad_ent[part] if grad_ent is not None else None, ctx.temperature)
+            for part in _spans(hidden.shape[0], ctx.chunk):
+                h, c = hidden[part], part.stop - part.start
+                own = functools.partial(_own, compiled=ctx.compiled and c > 1)
+                _, grads = _fns(c, ctx.compiled)
+                dz = grads(own(_chunk_logits(h, w, b)), own(targets[part]), own(lse[part]), own(entropy[part]),
+                           own(grad_lp[part]) if grad_lp is not None else None,
+                           own(grad_ent[part]) if grad_ent is not None else None, ctx.temperature)
                 if d_hidden is not None:
                     d_hidden[part] = (dz @ w).to(hidden.dtype)
                 if need_w:
