@@ -125,7 +125,7 @@ def _spans(n: int, chunk: int) -> list[slice]:
     """The chunks of ``n`` rows: ``chunk`` rows each, the last one shorter. A last chunk of one row takes a
     row from the one before it (two rows, and ``chunk - 1`` before), so no chunk is larger than ``chunk`` and
     a row alone is left only where ``n`` or ``chunk`` is 1 or ``chunk`` is 2: a compiled function
-    specialises a size of 1, so such a chunk takes the eager functions (:func:`_fns`)."""
+    specialises a size of 1, so such a chunk takes the eager functions."""
     starts = list(range(0, n, max(chunk, 1)))
     if len(starts) > 1 and n - starts[-1] == 1 and chunk > 2:
         starts[-1] -= 1
@@ -144,12 +144,6 @@ def _own(t: torch.Tensor | None, compiled: bool) -> torch.Tensor | None:
         t = t.clone()
     torch._dynamo.maybe_mark_dynamic(t, 0)
     return t
-
-
-def _fns(rows: int, compiled: bool) -> tuple[Any, Any]:
-    """The head functions for a chunk of ``rows``: the eager ones for a single row (the compiler
-    specialises a size of 1)."""
-    return _head_fns(compiled and rows > 1)
 
 
 def _make_chunked_head() -> type:
@@ -176,9 +170,9 @@ def _make_chunked_head() -> type:
             entropy, lse = torch.empty_like(log_probs), torch.empty_like(log_probs)
             for part in _spans(n, chunk):
                 z = _chunk_logits(hidden[part], w, b)  # (c, V) in the compute dtype
-                c = part.stop - part.start
-                own = functools.partial(_own, compiled=compiled and c > 1)
-                stats, _ = _fns(c, compiled)
+                fused = compiled and part.stop - part.start > 1  # one row: eager (see _spans)
+                own = functools.partial(_own, compiled=fused)
+                stats, _ = _head_fns(fused)
                 lse[part], log_probs[part], entropy[part] = stats(own(z), own(targets[part]), temperature)
             ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
             ctx.dtype, ctx.temperature, ctx.chunk, ctx.compiled = dtype, temperature, chunk, compiled
@@ -196,9 +190,10 @@ def _make_chunked_head() -> type:
             d_weight: torch.Tensor | None = None  # float32 sums over the chunks
             d_bias: torch.Tensor | None = None
             for part in _spans(hidden.shape[0], ctx.chunk):
-                h, c = hidden[part], part.stop - part.start
-                own = functools.partial(_own, compiled=ctx.compiled and c > 1)
-                _, grads = _fns(c, ctx.compiled)
+                h = hidden[part]
+                fused = ctx.compiled and part.stop - part.start > 1  # one row: eager (see _spans)
+                own = functools.partial(_own, compiled=fused)
+                _, grads = _head_fns(fused)
                 dz = grads(own(_chunk_logits(h, w, b)), own(targets[part]), own(lse[part]), own(entropy[part]),
                            own(grad_lp[part]) if grad_lp is not None else None,
                            own(grad_ent[part]) if grad_ent is not None else None, ctx.temperature)
