@@ -251,6 +251,9 @@ class StepProfiler:
 
         if step == self.steps - 1:
             record(f"{self.name}/memory_between_steps_gib", torch.cuda.memory_allocated() / 2**30)
+            census = held_tensors()
+            print(census, flush=True)
+            self.path.with_suffix(".held.txt").write_text(census + "\n")
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
         elif step == self.steps and self.prof is not None:
@@ -262,6 +265,84 @@ class StepProfiler:
             report = f"{idle_report(self.prof.events())}\n{table}"
             self.path.write_text(report)
             print("\n".join(report.splitlines()[:40]), flush=True)
+
+
+class PhaseMemory:
+    """The peak GPU memory of each stage of rlx's steps (the trainer's ``timing/*`` stages, nested ones
+    included), recorded as ``NAME/peak_gib/STAGE`` (the largest over the steps; ``NAME/peak_gib_first/STAGE``
+    for the first step's, compilation included). It wraps ``rlx.trainer.Timer`` while installed."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.open, self.finished = name, [], 0  # finished: steps ended so far
+        self.peaks: dict[str, float] = {}
+        self.overall = 0.0  # the whole run's, between stages included
+
+    def install(self) -> Any:
+        from contextlib import contextmanager
+
+        import torch
+
+        from rlx import trainer
+
+        original, tracker = trainer.Timer.__call__, self
+
+        @contextmanager
+        def timed_stage(timer: Any, stage: str) -> Any:
+            tracker._note()
+            tracker.open.append(stage)
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                with original(timer, stage):
+                    yield
+            finally:
+                tracker._note()
+                tracker.open.pop()
+
+        trainer.Timer.__call__ = timed_stage
+        return lambda: setattr(trainer.Timer, "__call__", original)
+
+    def _note(self) -> None:
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        self.overall = max(self.overall, peak)
+        first = "_first" if self.finished == 0 else ""
+        for stage in self.open:
+            key = f"{self.name}/peak_gib{first}/{stage}"
+            self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
+
+    @hookimpl
+    def rlx_on_step_end(self, step: int, metrics: Any) -> None:
+        self.finished = step
+
+
+def held_tensors(top: int = 12) -> str:
+    """The CUDA tensors alive now, by (shape, dtype): count and GiB (storages counted once), largest first."""
+    import torch
+
+    seen: set[int] = set()
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    gc.collect()
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+            ptr = obj.untyped_storage().data_ptr()
+        except Exception:
+            continue
+        if ptr in seen or ptr == 0:
+            continue
+        seen.add(ptr)
+        key = (tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+        entry = groups.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += obj.untyped_storage().nbytes() / 2**30
+    total = sum(v[1] for v in groups.values())
+    lines = [f"CUDA tensors reachable from Python: {total:.3f} GiB in {sum(v[0] for v in groups.values())} "
+             f"storages (allocated: {torch.cuda.memory_allocated() / 2**30:.3f} GiB); largest groups:"]
+    for (shape, dtype), (count, gib) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {gib:8.3f} GiB  {count:4d} x {dtype} {list(shape)}")
+    return "\n".join(lines)
 
 
 class HeldMemory:
@@ -305,11 +386,26 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
     pm.register(HeldMemory(name), name=f"benchmark-held-memory-{name}")
     if profile_path is not None:
         pm.register(StepProfiler(steps, profile_path, name), name=f"benchmark-step-profiler-{name}")
+    phases = PhaseMemory(name) if on_gpu() else None
+    uninstall = None
+    if phases is not None:
+        pm.register(phases, name=f"benchmark-phase-memory-{name}")
+        uninstall = phases.install()
     fresh_peak()
     start = time.perf_counter()
-    Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
+    try:
+        Trainer(load_config(pm, preset="tiny", overrides=overrides), pm).fit()
+    finally:
+        if uninstall is not None:
+            uninstall()
     record(f"{name}/wall_s", time.perf_counter() - start)
-    record_peak(f"{name}/peak_gib")
+    if phases is not None:  # the stages reset the counter: the run's peak is the largest seen at any reset
+        phases._note()
+        for key, value in sorted(phases.peaks.items()):
+            record(key, value)
+        record(f"{name}/peak_gib", phases.overall)
+    else:
+        record_peak(f"{name}/peak_gib")
     if on_gpu():
         record(f"{name}/memory_between_steps_gib", RESULTS.get(f"{name}/memory_between_steps_gib", float("nan")))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

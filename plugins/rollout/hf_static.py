@@ -874,25 +874,32 @@ class SlotDecoder:
         """(rows, R) raw tokens and their log-probs by output row; R < max_tokens only when every real row
         has stopped, or when ``interrupt`` was set (both looked at every ``check_every`` steps, when the rows
         still decoding are also compacted)."""
+        from torch.profiler import record_function  # named ranges in a profile; next to nothing without one
+
         if self.max_tokens > 1 and self.use_graph and not self.graphs:
-            self.capture()
-        self.prefill(ids, mask, real_rows)
-        width = self.max_tokens
-        if self.max_tokens == 1 or bool(self.done.all()):
-            width = 1
-        else:
-            for column in range(1, self.max_tokens):
-                if self.graphs:
-                    self.graphs[self.live].replay()
-                else:
-                    self.step(self.live)
-                if (column + 1) % check_every == 0 and column + 1 < self.max_tokens:
-                    live = (~self.done[:self.live]).nonzero().squeeze(-1)  # a host synchronisation
-                    if live.numel() == 0 or (interrupt is not None and interrupt.is_set()):
-                        width = column + 1
-                        break
-                    self.compact(live, self.prompt_len + column + 1)
+            with record_function("rlx.hf.capture"):
+                self.capture()
+        with record_function("rlx.hf.prefill"):
+            self.prefill(ids, mask, real_rows)
+        width = 1
+        if self.max_tokens > 1 and not bool(self.done.all()):
+            with record_function("rlx.hf.decode"):
+                width = self._decode(check_every, interrupt)
         return self.tokens[:, :width].clone(), self.log_probs[:, :width].clone()
+
+    def _decode(self, check_every: int, interrupt: Any) -> int:
+        """The steps after the prefill's token; the output columns written."""
+        for column in range(1, self.max_tokens):
+            if self.graphs:
+                self.graphs[self.live].replay()
+            else:
+                self.step(self.live)
+            if (column + 1) % check_every == 0 and column + 1 < self.max_tokens:
+                live = (~self.done[:self.live]).nonzero().squeeze(-1)  # a host synchronisation
+                if live.numel() == 0 or (interrupt is not None and interrupt.is_set()):
+                    return column + 1
+                self.compact(live, self.prompt_len + column + 1)
+        return self.max_tokens
 
 
 def _layer_kv(cache: Any, i: int) -> tuple[Any, Any]:
@@ -989,7 +996,8 @@ class StaticEngine:
         mask[:b, width - p:] = attention_mask
         ids[b:], mask[b:] = ids[0], mask[0]  # filler rows: copies of a real prompt, dropped below
         while True:
-            decoder = self._decoder(rows, width, max_tokens, sampler, stop)
+            with torch.profiler.record_function("rlx.hf.setup"):  # fused weights, caches (new after a discard)
+                decoder = self._decoder(rows, width, max_tokens, sampler, stop)
             try:
                 tokens, log_probs = self._run(decoder, ids, mask, b, interrupt)
                 break
