@@ -497,10 +497,22 @@ def main() -> int:
                     help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
                     "and dynamic (the plain decode loop). Default off,default,dynamic; with --smoke off,dynamic "
                     "(the CPU does not compile the decode step).")
+    ap.add_argument("--hf-static", nargs="*", default=[], metavar="NAME=0|1",
+                    help="Switches of the hf engine's static decoder for this run (rlx.plugins.rollout.hf_static's "
+                    "module flags, e.g. REWARM=0, OWN_PREFILL=0): an A/B in one call.")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
     if args.smoke and args.profile:
         ap.error("--profile records GPU kernels: not with --smoke")
+    from rlx.plugins.rollout import hf_static
+
+    switches = [n for n, v in vars(hf_static).items() if n.isupper() and n != "TYPE_CHECKING" and isinstance(v, bool)]
+    for flag in args.hf_static:
+        name, _, value = flag.partition("=")
+        if name not in switches or value not in ("0", "1"):
+            ap.error(f"--hf-static {flag}: expected NAME=0 or NAME=1, NAME one of {', '.join(switches)}")
+        setattr(hf_static, name, value == "1")
+        record(f"hf_static/{name}", value == "1")
     parts = (args.parts or ("trl,rlx,rlx_gc,rlx_bf16,rlx_async,gen" if args.smoke else "trl,rlx,rlx_gc,gen")).split(",")
     unknown = [p for p in parts if p not in ("trl", "rlx", "rlx_gc", "rlx_bf16", "rlx_async", "gen")]
     if unknown:

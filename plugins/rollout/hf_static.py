@@ -54,6 +54,11 @@ OWN_PREFILL = True
 # A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
 # warning, and the engine decodes again with the kernels before them.
 FUSED_KERNELS = True
+# Recording the graphs of a decoder shape this engine recorded before (rollout.free_on_sleep=discard records them
+# again at every rollout): True warms each bucket up again first, as at its first recording; False records it at
+# once (its step is compiled and its kernels loaded already). A recording that fails without warm-up is done again
+# with it.
+REWARM = True
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -731,6 +736,7 @@ class SlotDecoder:
         self.compiled = False
         self.use_graph, self.pool = use_graph, pool
         self.graphs: dict[int, Any] = {}
+        self.warm = True  # warm-up steps before recording (the engine sets it; see REWARM)
         self.live = batch  # the bucket the rows still decoding occupy
 
     # -- the step -----------------------------------------------------------------------------------
@@ -869,6 +875,20 @@ class SlotDecoder:
                 self.step(b)
             self.graphs[b] = graph
 
+    def _record(self) -> None:
+        """:meth:`capture`, without warm-up steps when this shape was recorded before (``warm`` False); if that
+        fails, once more with them."""
+        if self.warm:
+            self.capture()
+            return
+        try:
+            self.capture(warmup=0)
+        except Exception as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise
+            self.graphs.clear()
+            self.capture()
+
     def generate(self, ids: Any, mask: Any, real_rows: int, check_every: int = 16,
                  interrupt: Any = None) -> tuple[Any, Any]:
         """(rows, R) raw tokens and their log-probs by output row; R < max_tokens only when every real row
@@ -878,7 +898,7 @@ class SlotDecoder:
 
         if self.max_tokens > 1 and self.use_graph and not self.graphs:
             with record_function("rlx.hf.capture"):
-                self.capture()
+                self._record()
         with record_function("rlx.hf.prefill"):
             self.prefill(ids, mask, real_rows)
         width = 1
@@ -927,6 +947,7 @@ class StaticEngine:
         self.pool: Any = None
         self.compile_failed = False
         self.fused_kernels = True  # round 3's kernels in this engine's slot decoders (off after a failure)
+        self.recorded: set[tuple[Any, ...]] = set()  # decoder shapes whose graphs were recorded (see REWARM)
 
     def clear(self) -> None:
         """Forget every cache and graph (the graphs hold the weights' addresses, which a move changes)."""
@@ -979,6 +1000,9 @@ class StaticEngine:
         if step_fn is None and isinstance(decoder, SlotDecoder):
             decoder.compiled = False
         decoder.step_fn = step_fn or decoder.step_fn
+        if isinstance(decoder, SlotDecoder):
+            decoder.warm = REWARM or key not in self.recorded
+            self.recorded.add(key)
         self.decoders[key] = decoder
         return decoder
 
@@ -1019,6 +1043,7 @@ class StaticEngine:
                 else:
                     raise
                 self.clear()
+                self.recorded.clear()  # another step function: its first recordings warm up again
         return tokens[:b], log_probs[:b]
 
     @staticmethod

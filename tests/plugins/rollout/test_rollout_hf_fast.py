@@ -226,6 +226,33 @@ def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
     torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rewarm", [True, False])
+def test_graphs_recorded_again_after_a_discarding_sleep_replay_the_same_steps(policy, prompts, monkeypatch, rewarm):
+    """Under free_on_sleep=discard the graphs are recorded again at the next rollout; without warm-up steps
+    (REWARM off, a shape recorded before) they decode what the first recording did, and what a fresh engine does."""
+    from rlx.plugins.rollout import hf_static
+
+    monkeypatch.setattr(hf_static, "REWARM", rewarm)
+    rollout = engine(policy, "cuda", dtype="float32", compile="default", prompt_bucket=8, free_on_sleep="discard")
+    first = run(rollout, prompts, n=4, max_tokens=20, greedy=True)
+    state = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    for _ in range(2):
+        rollout.sleep()
+        rollout.wake_up()
+        rollout.update_weights(state.items())
+        again = run(rollout, prompts, n=4, max_tokens=20, greedy=True)
+        (decoder,) = rollout.static.decoders.values()
+        assert decoder.graphs and decoder.warm is rewarm
+        assert torch.equal(again["responses"], first["responses"])
+        torch.testing.assert_close(again["rollout_log_probs"], first["rollout_log_probs"], atol=1e-5, rtol=0)
+    out = run(rollout, prompts, seed=2, n=4, max_tokens=20, temperature=0.9)
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out.to("cuda"), 0.9, with_entropy=False)
+    mask = out["response_mask"].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
+
+
 def test_slot_decoder_steps_llama_family_models(static):
     """The tiny Qwen2 decodes through rlx's own step, its q/k/v and gate/up weights fused, the model's
     parameters views of the fused tensors (no second copy)."""
