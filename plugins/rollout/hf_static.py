@@ -878,6 +878,8 @@ class SlotDecoder:
     def _record(self) -> None:
         """:meth:`capture`, without warm-up steps when this shape was recorded before (``warm`` False); if that
         fails, once more with them."""
+        import torch
+
         if self.warm:
             self.capture()
             return
