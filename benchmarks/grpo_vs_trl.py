@@ -497,9 +497,9 @@ def main() -> int:
                     help="rlx engines timed in 'gen': the static decoder's compile modes (off, default, max-autotune) "
                     "and dynamic (the plain decode loop). Default off,default,dynamic; with --smoke off,dynamic "
                     "(the CPU does not compile the decode step).")
-    ap.add_argument("--hf-static", nargs="*", default=[], metavar="NAME=0|1",
-                    help="Switches of the hf engine's static decoder for this run (rlx.plugins.rollout.hf_static's "
-                    "module flags, e.g. REWARM=0, OWN_PREFILL=0): an A/B in one call.")
+    ap.add_argument("--hf-static", action="append", default=[], metavar="NAME=0|1",
+                    help="A switch of the hf engine's static decoder for this run (rlx.plugins.rollout.hf_static's "
+                    "module flags, e.g. REWARM=1, OWN_PREFILL=0; repeat for several): an A/B between calls.")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
     if args.smoke and args.profile:

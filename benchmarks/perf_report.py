@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 
 # The two GRPO configurations the issue names (docs/benchmarks.md, "One GPU: a GRPO step against TRL's").
 LEAN = ["rollout.free_on_sleep=discard", "actor.use_torch_compile=true", "actor.use_dynamic_bsz=true",
-        "actor.ppo_max_token_len_per_gpu=16384", "actor.log_prob_chunk_size=1024"]
+        "actor.ppo_max_token_len_per_gpu=16384", "actor.log_prob_chunk_size=512"]
 FAST = ["actor.model_dtype=bfloat16", "actor.use_torch_compile=true", "actor.use_dynamic_bsz=true",
         "actor.ppo_max_token_len_per_gpu=32768", "actor.log_prob_chunk_size=4096"]
 MEGATRON_VARIANTS = ["budget12288+compile", "default"]
