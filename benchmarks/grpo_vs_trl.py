@@ -288,20 +288,20 @@ class PhaseMemory:
 
         @contextmanager
         def timed_stage(timer: Any, stage: str) -> Any:
-            tracker._note()
+            tracker.note()
             tracker.open.append(stage)
             torch.cuda.reset_peak_memory_stats()
             try:
                 with original(timer, stage):
                     yield
             finally:
-                tracker._note()
+                tracker.note()
                 tracker.open.pop()
 
         trainer.Timer.__call__ = timed_stage
         return lambda: setattr(trainer.Timer, "__call__", original)
 
-    def _note(self) -> None:
+    def note(self) -> None:
         import torch
 
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -400,7 +400,7 @@ def bench_rlx(out: Path, model_dir: Path, tok_dir: Path, data: Path, steps: int,
             uninstall()
     record(f"{name}/wall_s", time.perf_counter() - start)
     if phases is not None:  # the stages reset the counter: the run's peak is the largest seen at any reset
-        phases._note()
+        phases.note()
         for key, value in sorted(phases.peaks.items()):
             record(key, value)
         record(f"{name}/peak_gib", phases.overall)

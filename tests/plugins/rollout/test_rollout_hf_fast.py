@@ -206,6 +206,15 @@ def test_the_plain_race_draws_the_full_paths_tokens_with_its_log_probs(sampler):
     assert not Sampler(False, 1.0, 5, 1.0).plain and not Sampler(False, 1.0, 0, 0.9).plain
 
 
+def assert_sampled_log_probs_match_training(rollout, prompts):
+    """Tokens sampled at temperature 0.9 on the GPU carry the log-probs the training forward pass gives them."""
+    out = run(rollout, prompts, seed=2, n=4, max_tokens=20, temperature=0.9)
+    with torch.no_grad():
+        lp, _ = response_log_probs(rollout.model, out.to("cuda"), 0.9, with_entropy=False)
+    mask = out["response_mask"].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compile_mode", ["off", "default"])
 def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
@@ -219,18 +228,14 @@ def test_cuda_graph_replays_the_eager_steps(policy, prompts, compile_mode):
     b = run(plain, prompts, n=4, max_tokens=20, greedy=True)
     assert torch.equal(a["responses"], b["responses"])
     torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-4, rtol=0)
-    out = run(graph, prompts, seed=2, n=4, max_tokens=20, temperature=0.9)
-    with torch.no_grad():
-        lp, _ = response_log_probs(graph.model, out.to("cuda"), 0.9, with_entropy=False)
-    mask = out["response_mask"].bool()
-    torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
+    assert_sampled_log_probs_match_training(graph, prompts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("rewarm", [True, False])
 def test_graphs_recorded_again_after_a_discarding_sleep_replay_the_same_steps(policy, prompts, monkeypatch, rewarm):
     """Under free_on_sleep=discard the graphs are recorded again at the next rollout; without warm-up steps
-    (REWARM off, a shape recorded before) they decode what the first recording did, and what a fresh engine does."""
+    (REWARM off, a shape recorded before) they decode what the first recording did."""
     from rlx.plugins.rollout import hf_static
 
     monkeypatch.setattr(hf_static, "REWARM", rewarm)
@@ -246,11 +251,7 @@ def test_graphs_recorded_again_after_a_discarding_sleep_replay_the_same_steps(po
         assert decoder.graphs and decoder.warm is rewarm
         assert torch.equal(again["responses"], first["responses"])
         torch.testing.assert_close(again["rollout_log_probs"], first["rollout_log_probs"], atol=1e-5, rtol=0)
-    out = run(rollout, prompts, seed=2, n=4, max_tokens=20, temperature=0.9)
-    with torch.no_grad():
-        lp, _ = response_log_probs(rollout.model, out.to("cuda"), 0.9, with_entropy=False)
-    mask = out["response_mask"].bool()
-    torch.testing.assert_close(out["rollout_log_probs"][mask], lp.cpu()[mask], atol=1e-3, rtol=0)
+    assert_sampled_log_probs_match_training(rollout, prompts)
 
 
 def test_slot_decoder_steps_llama_family_models(static):
