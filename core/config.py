@@ -242,6 +242,12 @@ class ActorConfig(_Section):
         True, description="Packed sequences: a micro-batch's rows go through the model as one row without "
         "padding, attention kept within each sequence (models on transformers' attention interface; others "
         "stay padded). Also the reference's setting.")
+    share_prompts: bool = Field(
+        True, description="With packed sequences, the rows of a micro-batch that share a prompt (a GRPO group's "
+        "responses) carry it through the model once: each response attends to the one copy of the prompt, so "
+        "the log-probs and gradients are those of the rows apart, and the prompt's tokens count once against "
+        "the token budgets. Models on rlx's packed attention (transformers' sdpa); others, and Ulysses, "
+        "pack every row whole. Also the reference's setting. docs/throughput.md.")
     use_dynamic_bsz: bool = Field(
         False, description="Cut micro-batches by a token budget (ppo_max_token_len_per_gpu, "
         "log_prob_max_token_len_per_gpu) instead of a row count; the reference follows the log-prob budget.")
@@ -296,6 +302,8 @@ class CriticConfig(_Section):
                               description="First steps in which only the critic trains (the actor waits).")
     use_remove_padding: bool = Field(True, description="Packed sequences for the critic (see "
                                      "actor.use_remove_padding).")
+    share_prompts: bool = Field(True, description="The critic's rows that share a prompt carry it once (see "
+                                "actor.share_prompts).")
     use_dynamic_bsz: bool = Field(
         False, description="Cut the critic's micro-batches by a token budget (ppo_max_token_len_per_gpu, "
         "forward_max_token_len_per_gpu) instead of a row count.")

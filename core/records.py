@@ -23,6 +23,7 @@ class ForwardOptions:
     ``actor.ppo_max_token_len_per_gpu``), for the messages that report a budget too small."""
 
     use_remove_padding: bool = True  # packed rows (for models that can pack; the others stay padded)
+    share_prompts: bool = True  # packed rows with one prompt carry it once (rlx's packed attention)
     use_dynamic_bsz: bool = False  # micro-batches cut by the token budgets below instead of a row count
     ppo_max_token_len: int | None = None  # most tokens in one training micro-batch (use_dynamic_bsz)
     ppo_max_token_len_option: str = "ppo_max_token_len_per_gpu"

@@ -86,14 +86,51 @@ def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
     return [sorted(rows) for rows in bins]
 
 
-def micro_batches(engine: StepEngine, batch: Batch, size: int,
-                  budget: tuple[int, str] | None = None) -> list[tuple[list[int] | None, Batch]]:
+def prompt_groups(batch: Batch) -> torch.Tensor:
+    """(b,) the group of each row: rows with the same valid prompt tokens (a GRPO prompt's responses) are one
+    group, numbered from 0 in no particular order."""
+    import torch
+
+    mask = batch["prompt_mask"].long()
+    rows = torch.cat([batch["prompts"].long() * mask, mask], dim=1)  # padding cannot make two prompts equal
+    return torch.unique(rows, dim=0, return_inverse=True)[1]
+
+
+def _shared_items(batch: Batch, budget: int) -> list[tuple[list[int], int]]:
+    """The rows as items for micro-batches whose rows share their prompts (``share_prompts``): each item
+    the rows of one prompt, in row order, cut where the prompt (counted once) and the responses so far would
+    pass ``budget``; with its tokens."""
+    prompts = [int(v) for v in batch["prompt_mask"].sum(-1).tolist()]
+    responses = [int(v) for v in batch["response_mask"].sum(-1).tolist()]
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(prompt_groups(batch).tolist()):
+        members.setdefault(group, []).append(row)
+    items: list[tuple[list[int], int]] = []
+    for rows in members.values():
+        item: list[int] = []
+        load = 0
+        for row in rows:
+            add = responses[row] + (0 if item else prompts[row])
+            if item and load + add > budget:
+                items.append((item, load))
+                item, load, add = [], 0, prompts[row] + responses[row]
+            item.append(row)
+            load += add
+        items.append((item, load))
+    return items
+
+
+def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int, str] | None = None,
+                  share_prompts: bool = False) -> list[tuple[list[int] | None, Batch]]:
     """``batch`` cut into micro-batches, as many on every rank as on the rank that needs the most (a rank
     with fewer rows gets smaller ones), each with the batch's row indices it holds (None: consecutive).
 
     Without ``budget``: at most ``size`` rows each. With ``budget`` = (max tokens, the option that sets
-    it): rows grouped so that no micro-batch holds more than max tokens (:func:`row_tokens`).
+    it): rows grouped so that no micro-batch holds more than max tokens (:func:`row_tokens`). With
+    ``share_prompts`` as well (the engine's packed rows carry a shared prompt once): a prompt's rows are kept
+    together where the budget allows, and the prompt counts once.
     """
+    items: list[tuple[list[int], int]] = []
     if budget is None:
         local = math.ceil(len(batch) / size) if len(batch) else 0
     else:
@@ -107,25 +144,32 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int,
                             f"of one micro-batch, {option}={max_tokens}.",
                             f"Raise {option} to at least data.max_prompt_length + data.max_response_length, or "
                             "turn use_dynamic_bsz off.")
-        local = len(_token_bins(tokens, max_tokens, 0))
+        if share_prompts:
+            items = _shared_items(batch, max_tokens)
+        local = len(_token_bins([load for _, load in items] if items else tokens, max_tokens, 0))
     count = int(engine.all_reduce([float(local)], op="max")[0])
     if len(batch) < count:
         raise RuntimeError(f"a data-parallel rank got {len(batch)} rows for {count} micro-batches; "
                            "the driver must give every rank enough rows")
     if budget is not None:
-        return [(rows, batch.index(rows)) for rows in _token_bins(tokens, budget[0], count)]
+        if items and count <= len(items):  # whole items per micro-batch (another rank may need more of them)
+            bins = [sorted(row for k in held for row in items[k][0])
+                    for held in _token_bins([load for _, load in items], budget[0], count)]
+        else:
+            bins = _token_bins(tokens, budget[0], count)
+        return [(rows, batch.index(rows)) for rows in bins]
     if count == local:
         return [(None, mb) for mb in batch.split(size)]
     return [(None, mb) for mb in batch.chunk(count)]
 
 
 def run_forward(engine: StepEngine, batch: Batch, size: int, fn: Callable[[Batch], dict[str, torch.Tensor]],
-                budget: tuple[int, str] | None = None) -> dict[str, torch.Tensor]:
+                budget: tuple[int, str] | None = None, share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """``fn(micro_batch)`` (per-row tensors by name) over ``batch`` in micro-batches (no gradients; the
-    engine sets eval mode), concatenated in the batch's row order."""
+    engine sets eval mode), concatenated in the batch's row order. ``share_prompts``: see :func:`micro_batches`."""
     import torch
 
-    parts = micro_batches(engine, batch.select(*MODEL_COLUMNS), size, budget)
+    parts = micro_batches(engine, batch.select(*MODEL_COLUMNS), size, budget, share_prompts)
     outputs = [fn(engine.to_device(mb)) for _, mb in parts]
     if not outputs:
         return {}
@@ -149,7 +193,7 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
     if role == "critic":
         c = config.critic
         return RoleSettings(ForwardOptions(
-            use_remove_padding=c.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+            use_remove_padding=c.use_remove_padding, share_prompts=c.share_prompts, use_dynamic_bsz=c.use_dynamic_bsz,
             ppo_max_token_len=c.ppo_max_token_len_per_gpu, ppo_max_token_len_option="critic.ppo_max_token_len_per_gpu",
             log_prob_max_token_len=c.forward_max_token_len_per_gpu,
             log_prob_max_token_len_option="critic.forward_max_token_len_per_gpu",
@@ -157,7 +201,7 @@ def role_settings(config: RLXConfig | None, role: str) -> RoleSettings:
             model_dtype=c.model_dtype), lora, dict(config.model.override_config), config.model.router_dtype)
     a = config.actor
     return RoleSettings(ForwardOptions(
-        use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        use_remove_padding=a.use_remove_padding, share_prompts=a.share_prompts, use_dynamic_bsz=a.use_dynamic_bsz,
         log_prob_chunk_size=a.log_prob_chunk_size,
         ppo_max_token_len=a.ppo_max_token_len_per_gpu, ppo_max_token_len_option="actor.ppo_max_token_len_per_gpu",
         log_prob_max_token_len=a.log_prob_max_token_len_per_gpu,
@@ -175,9 +219,11 @@ def loss_context(engine: StepEngine, mini: Batch, context: UpdateContext) -> Los
 
 
 def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn, micro_size: int,
-               budget: tuple[int, str] | None = None, context: UpdateContext | None = None) -> list[dict[str, float]]:
+               budget: tuple[int, str] | None = None, context: UpdateContext | None = None,
+               share_prompts: bool = False) -> list[dict[str, float]]:
     """One optimizer step per mini-batch (this rank's rows of it), accumulating over micro-batches of
-    ``micro_size`` rows, or of at most ``budget[0]`` tokens when a budget is given (dynamic batch size).
+    ``micro_size`` rows, or of at most ``budget[0]`` tokens when a budget is given (dynamic batch size;
+    ``share_prompts``: see :func:`micro_batches`).
     The forward passes run at ``context.temperature``; the loss gets a :class:`LossContext` with the
     mini-batch's global counts.
 
@@ -193,7 +239,7 @@ def run_update(engine: StepEngine, minibatches: list[Batch], loss_fn: LossFn, mi
         engine.zero_grad()
         sums: dict[str, float] = {}
         weight = 0.0
-        for _, mb in micro_batches(engine, mini, micro_size, budget):
+        for _, mb in micro_batches(engine, mini, micro_size, budget, share_prompts):
             mb = engine.to_device(mb)
             outputs = engine.forward(mb, grad=True, entropy_grad=entropy_grad, temperature=context.temperature)
             loss, metrics = loss_fn(outputs, mb, ctx)

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rlx.plugins.modeling.packing import _accepts, model_inputs, unpack, with_packed_layout
+from rlx.plugins.modeling.packing import _accepts, model_inputs, runs_packed_sdpa, unpack, with_packed_layout
 
 if TYPE_CHECKING:
     import torch
@@ -254,21 +254,23 @@ def _head_replaced(head: Any, targets: torch.Tensor, temperature: float, chunk: 
             handle.remove()
 
 
-def forward_inputs(batch: Batch, packed: bool, hf: Any) -> tuple[dict[str, Any], torch.Tensor, bool]:
+def forward_inputs(batch: Batch, packed: bool, hf: Any,
+                   share_prompts: bool = False) -> tuple[dict[str, Any], torch.Tensor, bool]:
     """The model's keyword inputs for ``batch``, the positions that predict its response tokens (see
     :func:`model_inputs`) and whether the rows are packed. Rows with images (``rlx.plugins.modeling.vision``) go
-    padded, with their image tensors and multimodal rotary positions."""
+    padded, with their image tensors and multimodal rotary positions. ``share_prompts``: rows with one prompt
+    carry it once, where the model's attention is rlx's packed sdpa (which reads the layout that says so)."""
     from rlx.plugins.modeling import vision
 
     if vision.has_images(batch):
         inputs, keep = model_inputs(batch, False)
         return vision.with_images(inputs, batch, hf, inputs["input_ids"], inputs["attention_mask"]), keep, False
-    inputs, keep = model_inputs(batch, packed)
+    inputs, keep = model_inputs(batch, packed, share_prompts=share_prompts and runs_packed_sdpa(hf))
     return with_packed_layout(inputs, hf), keep, packed
 
 
 def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, packed: bool = False,
-                            hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            hf_model: Any = None, share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (b, R) of the response tokens and sum_v pi_v^2 (b, R), the sum over the vocabulary of the squared
     next-token probabilities (logits divided by temperature), both 0 at padding, from the whole logits in float32
     (float64 for a float64 model): for the optimal-token-baseline estimators, in the no-gradient old-log-prob pass.
@@ -279,7 +281,7 @@ def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, pac
 
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()
-    inputs, keep, packed = forward_inputs(batch, packed, hf)
+    inputs, keep, packed = forward_inputs(batch, packed, hf, share_prompts)
     targets = batch["responses"][mask][None] if packed else batch["responses"]
     keep_kwarg = _accepts(hf, "logits_to_keep")
     if keep_kwarg:
@@ -296,11 +298,13 @@ def response_sum_pi_squared(model: Any, batch: Batch, temperature: float, *, pac
 
 def response_log_probs(model: Any, batch: Batch, temperature: float, with_entropy: bool,
                        entropy_grad: bool = True, *, packed: bool = False, chunk_size: int = 0,
-                       compile_head: bool = False, hf_model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       compile_head: bool = False, hf_model: Any = None,
+                       share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (b, R) of the response tokens under ``model`` (logits divided by temperature), 0 at padding.
 
     Only the positions that predict response tokens reach the head. ``packed``: the rows go through the
-    model as one packed row (see :func:`model_inputs`). ``chunk_size`` > 0: log-probs and entropies come
+    model as one packed row (see :func:`model_inputs`; ``share_prompts``: rows with one prompt carry it
+    once). ``chunk_size`` > 0: log-probs and entropies come
     from :func:`chunked_head` (no float32 copy of the (positions x vocabulary) logits); 0: from the
     logits in float32; ``compile_head``: the chunked head's element-wise work compiled. ``hf_model`` is
     the Hugging Face model when ``model`` wraps it (FSDP1).
@@ -312,7 +316,7 @@ def response_log_probs(model: Any, batch: Batch, temperature: float, with_entrop
 
     hf = model if hf_model is None else hf_model
     mask = batch["response_mask"].bool()
-    inputs, keep, packed = forward_inputs(batch, packed, hf)
+    inputs, keep, packed = forward_inputs(batch, packed, hf, share_prompts)
     targets = batch["responses"][mask][None] if packed else batch["responses"]  # (1, n) or (b, R)
     keep_kwarg = _accepts(hf, "logits_to_keep")
     if keep_kwarg:
@@ -348,9 +352,9 @@ def _per_row(values: torch.Tensor, mask: torch.Tensor, packed: bool) -> torch.Te
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def response_values(model: Any, batch: Batch, *, packed: bool = False) -> torch.Tensor:
+def response_values(model: Any, batch: Batch, *, packed: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """Values (b, R) of a value model; values[:, t] scores the state before response token t.
     Padding is 0."""
-    inputs, keep, packed = forward_inputs(batch, packed, model)
+    inputs, keep, packed = forward_inputs(batch, packed, model, share_prompts)
     values = model(**inputs, use_cache=False).logits[:, keep].squeeze(-1)
     return _per_row(values, batch["response_mask"].bool(), packed)

@@ -29,7 +29,7 @@ from rlx.plugins.modeling.model import (
     trained_dtype,
 )
 from rlx.plugins.modeling.moe import apply_router_dtype
-from rlx.plugins.modeling.packing import supports_packing, use_packed_sdpa
+from rlx.plugins.modeling.packing import runs_packed_sdpa, supports_packing, use_packed_sdpa
 from rlx.protocols import LossFn, RoleSpec
 from rlx.records import LoraSpec, UpdateContext
 
@@ -115,6 +115,8 @@ class TorchWorker:
         self.packed = bool(forward.use_remove_padding) and supports_packing(hf_model)
         if self.packed:
             use_packed_sdpa(hf_model)
+        # share_prompts: rows with one prompt carry it once, on rlx's packed attention only (it reads the layout)
+        self.share_prompts = self.packed and bool(forward.share_prompts) and runs_packed_sdpa(hf_model)
         # use_torch_compile: the decoder layers, and the chunked head's element-wise work
         self.compile_head = bool(forward.use_torch_compile)
         if self.compile_head:
@@ -176,13 +178,14 @@ class TorchWorker:
             return self._log_probs(micro, float(temperature), True, entropy_grad)
 
     def _values(self, micro: Batch) -> torch.Tensor:
-        return response_values(self.model, micro, packed=self.packed).float()
+        return response_values(self.model, micro, packed=self.packed, share_prompts=self.share_prompts).float()
 
     def _log_probs(self, micro: Batch, temperature: float, with_entropy: bool,
                    entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         log_probs, entropy = response_log_probs(
             self.model, micro, temperature, with_entropy, entropy_grad, packed=self.packed,
-            chunk_size=self.chunk_size, compile_head=self.compile_head, hf_model=self.hf_model)
+            chunk_size=self.chunk_size, compile_head=self.compile_head, hf_model=self.hf_model,
+            share_prompts=self.share_prompts)
         out = {"log_probs": log_probs}
         if entropy is not None:
             out["entropy"] = entropy
@@ -240,7 +243,7 @@ class TorchWorker:
         try:
             with torch.no_grad(), self._precision():
                 return Batch(run_forward(self, batch, size, lambda mb: {k: v.cpu() for k, v in fn(mb).items()},
-                                         budget=self.forward_budget))
+                                         budget=self.forward_budget, share_prompts=self.share_prompts))
         finally:
             self.model.train(was_training)
 
@@ -263,7 +266,7 @@ class TorchWorker:
         from rlx.plugins.modeling.head import response_sum_pi_squared
 
         log_probs, squares = response_sum_pi_squared(self.model, micro, temperature, packed=self.packed,
-                                                     hf_model=self.hf_model)
+                                                     hf_model=self.hf_model, share_prompts=self.share_prompts)
         return {"log_probs": log_probs, "sum_pi_squared": squares}
 
     def compute_ref_log_probs(self, batch: Batch, temperature: float = 1.0) -> Batch:
@@ -281,7 +284,7 @@ class TorchWorker:
 
         self.model.train()
         return run_update(self, minibatches, loss_fn, self.spec.micro_batch_size, budget=self.update_budget,
-                          context=context)
+                          context=context, share_prompts=self.share_prompts)
 
     def train_step(self, batch: Batch, loss_fn: LossFn, context: UpdateContext | None = None) -> dict[str, float]:
         """One optimizer step over ``batch`` (a mini-batch), accumulating over micro-batches."""

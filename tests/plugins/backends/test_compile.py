@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_backend_torch import grpo_loss, make_batch
 from test_packing import ATOL, assert_grads_close
+from test_shared_prompts import grouped_batch
 
 from rlx.errors import ConfigError, UserError
 from rlx.plugins.algorithms.base import CriticLoss
@@ -53,22 +54,25 @@ def gradients(w: TorchWorker, batch: Any, loss_fn: Any) -> dict[str, torch.Tenso
     return {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
 
 
-def actor_batch() -> Any:
-    batch = make_batch()
+def actor_batch(batch: Any = None) -> Any:
+    batch = make_batch() if batch is None else batch
     mask = batch["response_mask"]
     batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * mask
     return batch
 
 
-@pytest.mark.parametrize("packed, checkpointing", [(True, False), (False, False), (True, True)],
-                         ids=["packed", "padded", "packed+checkpointing"])
-def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path, packed, checkpointing):
+@pytest.mark.parametrize("packed, checkpointing, shared", [(True, False, False), (False, False, False),
+                                                             (True, True, False), (True, False, True)],
+                         ids=["packed", "padded", "packed+checkpointing", "packed+shared-prompts"])
+def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path, packed, checkpointing, shared):
     import torch._dynamo
 
-    batch = actor_batch()
+    batch = actor_batch(grouped_batch() if shared else None)
     settings = {"use_remove_padding": packed, "gradient_checkpointing": checkpointing}
     eager, compiled = worker(model_path, **settings), worker(model_path, use_torch_compile=True, **settings)
     layers = compiled.hf_model.model.layers
+    assert compiled.share_prompts == eager.share_prompts == packed  # on by default for packed rows
+    assert (packing.LAYOUT_KWARG in packing.model_inputs(batch, packed, True)[0]) == shared  # a grouped batch shares
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in eager.hf_model.model.layers)
     torch._dynamo.reset()  # no graph cached by an earlier test: the counts below are this test's
