@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Shared prompts (actor.share_prompts) on the GPU: the GPU test, then the two GRPO settings of issue 31 with
-# the option off and on, TRL beside the first, one call (carry build/gpu_wheels; source gpu_env.sh first).
+# Shared prompts (actor.share_prompts, and the engine's hf_static.SHARE_PREFILL) on the GPU: the GPU tests, then
+# the fast GRPO setting of issue 31 with both off and on (TRL beside the first), and the memory-lean one with
+# both on at two token budgets; one call (carry build/gpu_wheels; source gpu_env.sh first).
 #   bash benchmarks/share_probe.sh            # OUT defaults to $OUT or /tmp/share_probe
 set -u
 OUT=${OUT:-/tmp/share_probe}
@@ -8,8 +9,8 @@ mkdir -p "$OUT"
 F="actor.model_dtype=bfloat16 actor.use_torch_compile=true actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=32768 actor.log_prob_chunk_size=4096"
 L="rollout.free_on_sleep=discard actor.use_torch_compile=true actor.use_dynamic_bsz=true actor.log_prob_chunk_size=512"
 g() { echo "== $1"; shift; timeout 200 python3 benchmarks/grpo_vs_trl.py "$@" 2>&1 | grep -E "step times|s/step|peak|rlx.*timing|Error|error" | tail -12; }
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/plugins/backends/test_shared_prompts.py -m "gpu or not gpu" 2>&1 | tail -3
-g fast_off "$OUT/fast_off" --steps 4 --parts rlx,trl $F actor.share_prompts=false
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/plugins/backends/test_shared_prompts.py "tests/plugins/rollout/test_rollout_hf_fast.py::test_a_repeated_prompt_is_prefilled_once_with_the_same_cache_and_first_token" -m "gpu or not gpu" 2>&1 | tail -3
+g fast_off "$OUT/fast_off" --steps 4 --parts rlx,trl $F actor.share_prompts=false --hf-static SHARE_PREFILL=0
 g fast_on "$OUT/fast_on" --steps 4 --parts rlx $F
 g lean_on "$OUT/lean_on" --steps 4 --parts rlx_bf16 $L actor.ppo_max_token_len_per_gpu=16384
 g lean_on20k "$OUT/lean_on20k" --steps 4 --parts rlx_bf16 $L actor.ppo_max_token_len_per_gpu=20480

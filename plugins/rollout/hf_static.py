@@ -50,6 +50,9 @@ SKINNY_LINEAR = False
 # (2026-12-07, 0.5b shape, 64 prompts of 214 tokens): prefill 0.030 s against 0.060 s; the sampled tokens'
 # log-probs differ from the training pass's by 0.0098 on average against 0.0096 (bf16).
 OWN_PREFILL = True
+# The slot decoder's prefill runs each distinct prompt once and copies its keys, values and last logits to the
+# rows that repeat it (a GRPO step's n samples of one prompt); off: every row is prefilled.
+SHARE_PREFILL = True
 # Round 3's decode kernels (the fused sampling, the attention in ranges and with the rotary embedding inside it).
 # A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
 # warning, and the engine decodes again with the kernels before them.
@@ -681,6 +684,23 @@ def slot_prefill(w: FusedWeights, ids: Any, mask: Any, positions: Any, k_caches:
     return torch.nn.functional.linear(_rms_norm(h[:, -1], w.norm_w, w.norm_eps), w.head)
 
 
+def distinct_prompts(ids: Any, mask: Any) -> tuple[Any, Any] | None:
+    """For left-padded prompts (rows, P) that repeat: (the first row of each distinct prompt, and for each row
+    the index of its prompt among those), or None when every row's prompt is its own."""
+    import torch
+
+    real = mask.long()
+    inverse = torch.unique(torch.cat([ids.long() * real, real], dim=1), dim=0, return_inverse=True)[1]
+    rows = ids.shape[0]
+    count = int(inverse.max()) + 1 if rows else 0
+    if count == rows:
+        return None
+    order = torch.arange(rows, device=ids.device)
+    firsts = torch.full((count,), rows, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, order,
+                                                                                             "amin")
+    return firsts, inverse
+
+
 def _fused_kernels_off() -> None:
     global FUSED_KERNELS
     FUSED_KERNELS = False
@@ -787,27 +807,33 @@ class SlotDecoder:
 
     # -- prefill, compaction, recording -------------------------------------------------------------
     def prefill(self, ids: Any, mask: Any, real_rows: int) -> None:
-        """The prompts (rows, P) through the model's own forward, a few rows at a time; their keys and values
-        copied into the cache (zero at padding), the first token drawn. Rows from ``real_rows`` on are
-        fillers: done from the start."""
+        """The prompts (rows, P) through the model's own forward (or :func:`slot_prefill`), a few rows at a time;
+        their keys and values copied into the cache (zero at padding), the first token drawn. A prompt that
+        several rows repeat is run once (``SHARE_PREFILL``). Rows from ``real_rows`` on are fillers: done from
+        the start."""
         import torch
         from transformers import DynamicCache
 
         rows, width = ids.shape
         positions = prompt_positions(mask)
+        shared = distinct_prompts(ids, mask) if SHARE_PREFILL else None
+        p_ids, p_mask, p_pos = ids, mask, positions
+        if shared is not None:  # cache rows :n hold the n distinct prompts until the copy below
+            p_ids, p_mask, p_pos = ids[shared[0]], mask[shared[0]], positions[shared[0]]
+        n = p_ids.shape[0]
         chunk = max(1, 65536 // max(width, 1))
         kw = cache_argument(self.model)
-        keep = mask.to(self.k_caches[0].dtype)[:, None, :, None]  # (rows, 1, P, 1)
+        keep = p_mask.to(self.k_caches[0].dtype)[:, None, :, None]  # (n, 1, P, 1)
         first = []
-        for lo in range(0, rows, chunk):
-            hi = min(rows, lo + chunk)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
             if self.prefill_fn is not None:  # rlx's own pass: the keys and values straight into the cache
                 with torch.no_grad():
-                    first.append(self.prefill_fn(self.w, ids[lo:hi], mask[lo:hi], positions[lo:hi], self.k_caches,
+                    first.append(self.prefill_fn(self.w, p_ids[lo:hi], p_mask[lo:hi], p_pos[lo:hi], self.k_caches,
                                                  self.v_caches, lo))
                 continue
             cache = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=ids[lo:hi], attention_mask=mask[lo:hi], position_ids=positions[lo:hi],
+            out = self.model(input_ids=p_ids[lo:hi], attention_mask=p_mask[lo:hi], position_ids=p_pos[lo:hi],
                              use_cache=True, logits_to_keep=1, **{kw: cache})
             for i, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
                 keys, values = _layer_kv(cache, i)
@@ -815,10 +841,16 @@ class SlotDecoder:
                 v_cache[lo:hi, :, :width] = values * keep[lo:hi]
             first.append(out.logits[:, -1])
             del cache, out
+        logits = torch.cat(first)
+        if shared is not None:  # each row's prompt from its distinct one (gathered first: rows :n are sources)
+            source = shared[1]
+            for cache_ in (*self.k_caches, *self.v_caches):
+                cache_[:rows, :, :width] = cache_[source, :, :width]
+            logits = logits[source]
         for k_cache, v_cache in zip(self.k_caches, self.v_caches, strict=True):  # stale columns of a last call
             k_cache[:, :, width:].zero_()
             v_cache[:, :, width:].zero_()
-        token, log_prob = self.sampler.step(torch.cat(first))
+        token, log_prob = self.sampler.step(logits)
         self.row.copy_(torch.arange(rows, device=ids.device))
         self.tokens.zero_()
         self.log_probs.zero_()

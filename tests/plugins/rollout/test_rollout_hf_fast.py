@@ -491,3 +491,41 @@ def test_the_decode_step_with_round_3_ops_compiles_without_a_graph_break(policy,
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-prefill", "model-prefill"])
+def test_a_repeated_prompt_is_prefilled_once_with_the_same_cache_and_first_token(policy, prompts, monkeypatch, own):
+    """hf_static.SHARE_PREFILL: rows that repeat a prompt (a GRPO step's samples) share one prefill, whose keys,
+    values and last logits are copied to them. The cache and first token are those of prefilling every row."""
+    from rlx.plugins.rollout import hf_static
+
+    monkeypatch.setattr(hf_static, "OWN_PREFILL", own)
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    run(rollout, prompts, n=2, max_tokens=3, greedy=True)
+    decoder = list(rollout.static.decoders.values())[-1]
+    rows = torch.tensor([0, 1, 0, 2, 1, 0, 2, 2])  # three distinct prompts, in the decoder's 8 rows of 16 columns
+    ids, mask = decoder.tokens.new_zeros(8, 16), decoder.tokens.new_zeros(8, 16)
+    for i, row in enumerate(rows.tolist()):
+        real = prompts["input_ids"][row][prompts["attention_mask"][row].bool()]
+        ids[i, 16 - len(real):], mask[i, 16 - len(real):] = real, 1
+    firsts, inverse = hf_static.distinct_prompts(ids, mask)
+    assert torch.equal(ids[firsts][inverse], ids) and sorted(firsts.tolist()) == [0, 1, 3]
+    assert hf_static.distinct_prompts(prompts["input_ids"], prompts["attention_mask"]) is None
+    seen: list[int] = []
+    if own:
+        original = decoder.prefill_fn
+        decoder.prefill_fn = lambda w, i, *a: (seen.append(len(i)), original(w, i, *a))[1]
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(hf_static, "SHARE_PREFILL", share)
+        torch.manual_seed(0)
+        decoder.prefill(ids, mask, len(rows))
+        runs.append(([c[:len(rows)].clone() for c in decoder.k_caches + decoder.v_caches],
+                     decoder.tokens[:len(rows), 0].clone(), decoder.log_probs[:len(rows), 0].clone()))
+    if own:
+        assert seen == [3, 8]  # the distinct prompts, then every row
+    (shared, token, lp), (whole, want_token, want_lp) = runs
+    for x, y in zip(shared, whole, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert torch.equal(token, want_token)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
