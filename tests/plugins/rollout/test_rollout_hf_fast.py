@@ -254,6 +254,39 @@ def test_graphs_recorded_again_after_a_discarding_sleep_replay_the_same_steps(po
     assert_sampled_log_probs_match_training(rollout, prompts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_after_a_discarding_sleep_a_smaller_bucket_is_recorded_when_the_decode_reaches_it(policy, prompts,
+                                                                                         monkeypatch):
+    """Recorded again without warm-up steps (REWARM off), the full bucket's graph is recorded before the
+    prefill and the bucket of 8 only when rows have stopped; the decode is the first recording's."""
+    from rlx.plugins.rollout import hf_static
+
+    monkeypatch.setattr(hf_static, "REWARM", False)
+    rollout = engine(policy, "cuda", dtype="float32", compile="default", prompt_bucket=8, free_on_sleep="discard")
+    free = run(rollout, prompts, n=4, max_tokens=40, greedy=True)
+    stop = (int(free["responses"][0, 3]),)  # the first prompt's rows stop at their fourth token
+    first = run(rollout, prompts, n=4, max_tokens=40, greedy=True, stop_token_ids=stop)
+    assert first["response_mask"].sum(-1).min() < 16 < first["response_mask"].sum(-1).max()
+    state = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    rollout.sleep()
+    rollout.wake_up()
+    rollout.update_weights(state.items())
+    recorded: list[tuple[int, list[int] | None]] = []
+    original = hf_static.SlotDecoder.capture
+
+    def spy(self, warmup=2, sizes=None):
+        recorded.append((warmup, sizes))
+        return original(self, warmup, sizes)
+
+    monkeypatch.setattr(hf_static.SlotDecoder, "capture", spy)
+    again = run(rollout, prompts, n=4, max_tokens=40, greedy=True, stop_token_ids=stop)
+    assert recorded == [(0, [16]), (0, [8])]
+    decoder = list(rollout.static.decoders.values())[-1]
+    assert decoder.graphs[16] is not None and decoder.graphs[8] is not None and decoder.live == 8
+    assert torch.equal(again["responses"], first["responses"])
+    torch.testing.assert_close(again["rollout_log_probs"], first["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
 def test_slot_decoder_steps_llama_family_models(static):
     """The tiny Qwen2 decodes through rlx's own step, its q/k/v and gate/up weights fused, the model's
     parameters views of the fused tensors (no second copy)."""
