@@ -36,8 +36,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 # The two GRPO configurations the issue names (docs/benchmarks.md, "One GPU: a GRPO step against TRL's").
+# The lean budget holds a whole step's 18,096 tokens once each prompt is carried once (actor.share_prompts, on by
+# default): one micro-batch, at 5.81 GiB against TRL's 6.79 GiB (H100, 2026-12-07; docs/benchmarks.md).
 LEAN = ["rollout.free_on_sleep=discard", "actor.use_torch_compile=true", "actor.use_dynamic_bsz=true",
-        "actor.ppo_max_token_len_per_gpu=16384", "actor.log_prob_chunk_size=512"]
+        "actor.ppo_max_token_len_per_gpu=20480", "actor.log_prob_chunk_size=512"]
 FAST = ["actor.model_dtype=bfloat16", "actor.use_torch_compile=true", "actor.use_dynamic_bsz=true",
         "actor.ppo_max_token_len_per_gpu=32768", "actor.log_prob_chunk_size=4096"]
 MEGATRON_VARIANTS = ["budget12288+compile", "default"]

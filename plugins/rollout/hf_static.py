@@ -51,7 +51,8 @@ SKINNY_LINEAR = False
 # log-probs differ from the training pass's by 0.0098 on average against 0.0096 (bf16).
 OWN_PREFILL = True
 # The slot decoder's prefill runs each distinct prompt once and copies its keys, values and last logits to the
-# rows that repeat it (a GRPO step's n samples of one prompt); off: every row is prefilled.
+# rows that repeat it (a GRPO step's n samples of one prompt); off: every row is prefilled. Measured on an H100
+# (2026-12-07, 0.5b shape, 8 prompts of 214 tokens x 8 rows): prefill 0.016 s against 0.030 s.
 SHARE_PREFILL = True
 # Round 3's decode kernels (the fused sampling, the attention in ranges and with the rotary embedding inside it).
 # A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
