@@ -94,6 +94,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
         ref = fsdp_worker(ref_spec(path, **SP))
         info = ref.dispatch_info()
         res["dispatch"] = (info.dp_rank, info.dp_size, info.collect)
+        res["share_prompts"] = ref.share_prompts
         mine = shard(batch, info.dp_size)[info.dp_rank]
         res["log_probs"] = dict(ref.compute_log_probs(mine, with_entropy=True, temperature=TEMPERATURE).tensors)
         del ref
@@ -225,6 +226,8 @@ def assert_metrics(got: list[dict[str, float]], want: list[dict[str, float]], wh
 
 def test_a_group_is_one_data_parallel_rank_and_its_first_rank_returns_the_results(sp_ranks: list[Any]) -> None:
     assert [r["dispatch"] for r in sp_ranks] == [(0, 1, True), (0, 1, False)]
+    # Ulysses cuts whole sequences: a shared prompt must not count once against the token budget
+    assert [r["share_prompts"] for r in sp_ranks] == [False, False]
 
 
 def test_log_probs_entropy_and_values_equal_one_process(sp_ranks: list[Any], reference: dict[str, Any]) -> None:
