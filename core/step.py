@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from rlx import _compat
 from rlx.batch import trained_mask
@@ -96,28 +96,59 @@ def prompt_groups(batch: Batch) -> torch.Tensor:
     return torch.unique(rows, dim=0, return_inverse=True)[1]
 
 
-def _shared_items(batch: Batch, budget: int) -> list[tuple[list[int], int]]:
+class _Shares(NamedTuple):
+    """Per row: its prompt's group (:func:`prompt_groups`), its valid prompt and response tokens."""
+
+    groups: list[int]
+    prompts: list[int]
+    responses: list[int]
+
+    def load(self, rows: list[int]) -> int:
+        """The tokens ``rows`` put through a model that carries each shared prompt once."""
+        seen: set[int] = set()
+        total = 0
+        for row in rows:
+            total += self.responses[row] + (0 if self.groups[row] in seen else self.prompts[row])
+            seen.add(self.groups[row])
+        return total
+
+
+def _shares(batch: Batch) -> _Shares:
+    return _Shares([int(g) for g in prompt_groups(batch).tolist()],
+                   [int(v) for v in batch["prompt_mask"].sum(-1).tolist()],
+                   [int(v) for v in batch["response_mask"].sum(-1).tolist()])
+
+
+def _shared_items(shares: _Shares, budget: int) -> list[tuple[list[int], int]]:
     """The rows as items for micro-batches whose rows share their prompts (``share_prompts``): each item
     the rows of one prompt, in row order, cut where the prompt (counted once) and the responses so far would
     pass ``budget``; with its tokens."""
-    prompts = [int(v) for v in batch["prompt_mask"].sum(-1).tolist()]
-    responses = [int(v) for v in batch["response_mask"].sum(-1).tolist()]
     members: dict[int, list[int]] = {}
-    for row, group in enumerate(prompt_groups(batch).tolist()):
+    for row, group in enumerate(shares.groups):
         members.setdefault(group, []).append(row)
     items: list[tuple[list[int], int]] = []
     for rows in members.values():
         item: list[int] = []
-        load = 0
         for row in rows:
-            add = responses[row] + (0 if item else prompts[row])
-            if item and load + add > budget:
-                items.append((item, load))
-                item, load, add = [], 0, prompts[row] + responses[row]
+            if item and shares.load([*item, row]) > budget:
+                items.append((item, shares.load(item)))
+                item = []
             item.append(row)
-            load += add
-        items.append((item, load))
+        items.append((item, shares.load(item)))
     return items
+
+
+def _shared_bins(items: list[tuple[list[int], int]], shares: _Shares, budget: int, count: int) -> list[list[int]]:
+    """``count`` groups of rows from ``items``, none over ``budget`` tokens (prompts counted once): whole items
+    first-fit decreasing, as many groups as the items allow; then, while there are fewer than ``count`` (another
+    rank needs more micro-batches), the group of the most tokens halved by its rows in row order (a part of a
+    group never holds more tokens than the group, and a prompt's rows stay together as far as they can)."""
+    held = _token_bins([load for _, load in items], budget, min(count, len(items)))
+    bins = [sorted(row for k in part for row in items[k][0]) for part in held]
+    while len(bins) < count:
+        rows = bins.pop(max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: shares.load(bins[b])))
+        bins += [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return [sorted(rows) for rows in bins]
 
 
 def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int, str] | None = None,
@@ -131,6 +162,7 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
     together where the budget allows, and the prompt counts once.
     """
     items: list[tuple[list[int], int]] = []
+    shares: _Shares | None = None
     if budget is None:
         local = math.ceil(len(batch) / size) if len(batch) else 0
     else:
@@ -145,16 +177,16 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
                             f"Raise {option} to at least data.max_prompt_length + data.max_response_length, or "
                             "turn use_dynamic_bsz off.")
         if share_prompts:
-            items = _shared_items(batch, max_tokens)
+            shares = _shares(batch)
+            items = _shared_items(shares, max_tokens)
         local = len(_token_bins([load for _, load in items] if items else tokens, max_tokens, 0))
     count = int(engine.all_reduce([float(local)], op="max")[0])
     if len(batch) < count:
         raise RuntimeError(f"a data-parallel rank got {len(batch)} rows for {count} micro-batches; "
                            "the driver must give every rank enough rows")
     if budget is not None:
-        if items and count <= len(items):  # whole items per micro-batch (another rank may need more of them)
-            bins = [sorted(row for k in held for row in items[k][0])
-                    for held in _token_bins([load for _, load in items], budget[0], count)]
+        if shares is not None:
+            bins = _shared_bins(items, shares, budget[0], count)
         else:
             bins = _token_bins(tokens, budget[0], count)
         return [(rows, batch.index(rows)) for rows in bins]

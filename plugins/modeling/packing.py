@@ -165,12 +165,27 @@ def runs_packed_sdpa(model: Any) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == PACKED_SDPA
 
 
+def _layout_in_attention(position_ids: torch.Tensor | None, where: str) -> PackedLayout:
+    """The layout for an attention call that was not handed one: the forward's own, looked up by its position
+    ids, else found from them. The position ids of a forward with shared prompts (:func:`shared_prompt_inputs`)
+    restart at 0 only at each prompt, so they cannot be read as sequences; a model that passes on a copy of them
+    gets its forward's layout by their values (a packed row of whole sequences never has a shared row's
+    positions: its positions only ever go up by 1 or back to 0)."""
+    import torch
+
+    ids, layout = _LAYOUT
+    if (layout is not None and layout.expand is not None and position_ids is not None and ids is not position_ids
+            and ids.shape == position_ids.shape and torch.equal(ids, position_ids.to(ids.device))):
+        return layout
+    return _sequence_layout(position_ids, where)
+
+
 def _layout_outside_compile() -> Any:
-    """:func:`_sequence_layout`, run eagerly when a compiled layer calls it (it reads tensor values)."""
+    """:func:`_layout_in_attention`, run eagerly when a compiled layer calls it (it reads tensor values)."""
     if not _LAYOUT_EAGER:
         import torch
 
-        _LAYOUT_EAGER.append(torch.compiler.disable(_sequence_layout))
+        _LAYOUT_EAGER.append(torch.compiler.disable(_layout_in_attention))
     return _LAYOUT_EAGER[0]
 
 

@@ -52,7 +52,7 @@ SKINNY_LINEAR = False
 OWN_PREFILL = True
 # The slot decoder's prefill runs each distinct prompt once and copies its keys, values and last logits to the
 # rows that repeat it (a GRPO step's n samples of one prompt); off: every row is prefilled. Measured on an H100
-# (2026-12-07, 0.5b shape, 8 prompts of 214 tokens x 8 rows): prefill 0.016 s against 0.030 s.
+# (2026-12-07, the GRPO benchmark, 8 prompts of 214 tokens x 8 rows, one call): generation 0.339 s against 0.354 s.
 SHARE_PREFILL = True
 # Round 3's decode kernels (the fused sampling, the attention in ranges and with the rotary embedding inside it).
 # A failure of any of them at run time (a GPU whose Triton cannot build one) sets this off for the process, with a
@@ -761,6 +761,7 @@ class SlotDecoder:
         self.compiled = False
         self.use_graph, self.pool = use_graph, pool
         self.graphs: dict[int, Any] = {}  # bucket -> recorded step (None: a bucket whose recording failed)
+        self._retry: set[int] = set()  # buckets whose late recording failed, recorded again at the next rollout
         self.warm = True  # warm-up steps before recording (the engine sets it; see REWARM)
         self.live = batch  # the bucket the rows still decoding occupy
 
@@ -922,6 +923,16 @@ class SlotDecoder:
         fails, every bucket is recorded with warm-ups."""
         import torch
 
+        if self._retry:  # buckets whose late recording failed: once more, with warm-ups, before this prefill
+            failed, self._retry = sorted(self._retry, reverse=True), set()
+            for b in failed:
+                try:
+                    self.capture(sizes=[b])
+                except Exception as exc:
+                    if isinstance(exc, torch.cuda.OutOfMemoryError):
+                        raise
+                    self.graphs[b] = None  # for good: this bucket steps unrecorded
+            return
         if self.warm:
             self.capture()
             return
@@ -935,7 +946,10 @@ class SlotDecoder:
 
     def _late_graph(self, b: int) -> Any:
         """Bucket ``b``'s graph, recorded now (no warm-up steps: its shape was recorded before), or None when
-        that fails: the bucket then steps unrecorded."""
+        that fails: the bucket then steps unrecorded for this rollout, and is recorded again with warm-ups
+        before the next prefill (:meth:`_record`)."""
+        import warnings
+
         import torch
         from torch.profiler import record_function
 
@@ -945,7 +959,11 @@ class SlotDecoder:
         except Exception as exc:
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
+            warnings.warn(f"recording the decode step of {b} rows without warm-up failed ({type(exc).__name__}: "
+                          f"{exc}); these rows step unrecorded until the next rollout records them with warm-ups",
+                          stacklevel=2)
             self.graphs[b] = None
+            self._retry.add(b)
         return self.graphs[b]
 
     def generate(self, ids: Any, mask: Any, real_rows: int, check_every: int = 16,
@@ -955,7 +973,7 @@ class SlotDecoder:
         still decoding are also compacted)."""
         from torch.profiler import record_function  # named ranges in a profile; next to nothing without one
 
-        if self.max_tokens > 1 and self.use_graph and not self.graphs:
+        if self.max_tokens > 1 and self.use_graph and (not self.graphs or self._retry):
             with record_function("rlx.hf.capture"):
                 self._record()
         with record_function("rlx.hf.prefill"):

@@ -55,7 +55,7 @@ def test_rows_are_grouped_by_their_valid_prompt_tokens():
     groups = prompt_groups(grouped_batch()).tolist()
     assert groups[0] == groups[2] == groups[5] and groups[1] == groups[4]
     assert len({groups[0], groups[1], groups[3]}) == 3
-    # the same tokens at another length of padding are the same prompt; one token more is another
+    # equal tokens at equal positions are one prompt; one valid token more is another
     batch = grouped_batch(["A", "C"], [2, 2])
     batch["prompts"][1] = batch["prompts"][0]
     batch["prompt_mask"][1] = batch["prompt_mask"][0]
@@ -185,9 +185,54 @@ def test_token_budget_micro_batches_count_a_shared_prompt_once():
     # a prompt's rows stay together where they fit: no micro-batch mixes more than two prompts here
     parts = micro_batches(OneRank(), batch, 8, (25, "budget"), share_prompts=True)
     assert all(len({tuple(mb["prompts"][i].tolist()) for i in range(len(mb))}) <= 2 for _, mb in parts)
-    # another rank needs more micro-batches than there are groups: rows are split one by one
+    # another rank needs more micro-batches than there are groups: the largest are halved by rows
     parts = micro_batches(OneRank(count=5), batch, 8, (40, "budget"), share_prompts=True)
     assert len(parts) == 5 and sorted(i for rows, _ in parts for i in rows) == list(range(6))
+
+
+def one_prompt_batch(rows: int, prompt: int, response: int) -> Batch:
+    return Batch({"prompts": torch.full((rows, prompt), 7), "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
+                  "responses": torch.full((rows, response), 9),
+                  "response_mask": torch.ones(rows, response, dtype=torch.long)})
+
+
+def test_every_rank_gets_the_count_it_was_told_even_where_whole_rows_would_need_more():
+    """Every rank must run as many micro-batches as the rank that needs the most (a sharded model's
+    collectives must match). One prompt's 8 rows (100 + 8 x 10 tokens, one item under a budget of 200) told to
+    make 2: not the 8 that whole rows of 110 tokens would need."""
+    batch = one_prompt_batch(8, 100, 10)
+    assert len(micro_batches(OneRank(), batch, 8, (200, "budget"), share_prompts=True)) == 1
+    parts = micro_batches(OneRank(count=2), batch, 8, (200, "budget"), share_prompts=True)
+    assert [rows for rows, _ in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_shared_micro_batches_keep_the_count_the_budget_and_every_row_once():
+    """Random groups, lengths, budgets and counts forced by another rank."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        groups = [rng.randint(1, 6) for _ in range(rng.randint(1, 5))]
+        p_max, r_max = rng.randint(1, 30), rng.randint(1, 30)
+        prompts = [rng.randint(1, p_max) for _ in groups]
+        rows = [(g, rng.randint(0, r_max)) for g, n in enumerate(groups) for _ in range(n)]
+        rng.shuffle(rows)
+        b = len(rows)
+        batch = Batch({"prompts": torch.zeros(b, p_max, dtype=torch.long),
+                       "prompt_mask": torch.zeros(b, p_max, dtype=torch.long),
+                       "responses": torch.zeros(b, r_max, dtype=torch.long),
+                       "response_mask": torch.zeros(b, r_max, dtype=torch.long)})
+        for i, (g, r) in enumerate(rows):
+            batch["prompts"][i, p_max - prompts[g]:] = g + 3  # a group's own tokens
+            batch["prompt_mask"][i, p_max - prompts[g]:] = 1
+            batch["response_mask"][i, :r] = 1
+        budget = rng.randint(p_max + r_max, 4 * (p_max + r_max))
+        local = len(micro_batches(OneRank(), batch, 8, (budget, "budget"), share_prompts=True))
+        count = rng.randint(local, b)
+        parts = micro_batches(OneRank(count=count), batch, 8, (budget, "budget"), share_prompts=True)
+        assert len(parts) == count
+        assert sorted(i for held, _ in parts for i in held) == list(range(b))
+        assert all(shared_tokens(mb) <= budget for _, mb in parts)
 
 
 def test_log_prob_pass_over_budget_micro_batches_keeps_row_order(model_path):
@@ -230,3 +275,16 @@ def test_shared_prompts_on_the_varlen_kernel_give_the_whole_rows_log_probs_and_g
     assert float((got[True] - got[False]).abs().max()) <= 2 * bf16_error + 1e-2
     for name, g in grad[False].items():
         torch.testing.assert_close(grad[True][name], g, atol=5e-2 * float(g.abs().max()), rtol=0, msg=name)
+
+
+def test_a_model_that_hands_its_attention_a_copy_of_the_position_ids_keeps_the_shared_layout(model_path):
+    """Without the layout in its keyword arguments, an attention call finds its forward's layout from the
+    position ids it is given, by their values where they are a copy: not a layout read from the positions, in
+    which a group's responses would attend to each other."""
+    model = worker(model_path, "ref").model
+    inputs, keep = model_inputs(grouped_batch(), packed=True, share_prompts=True)
+    layout = inputs.pop(LAYOUT_KWARG)
+    with torch.no_grad():
+        want = model(**inputs, **{LAYOUT_KWARG: layout}).logits[0, keep]
+        got = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"].clone()).logits[0, keep]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

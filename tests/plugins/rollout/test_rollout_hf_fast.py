@@ -562,3 +562,45 @@ def test_a_repeated_prompt_is_prefilled_once_with_the_same_cache_and_first_token
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     assert torch.equal(token, want_token)
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+
+
+def test_a_late_recording_that_fails_steps_unrecorded_and_is_recorded_again_with_warm_ups(static, dynamic, prompts,
+                                                                                         monkeypatch):
+    """The control flow of recording after a discard, on the CPU with stand-in graphs (a replay runs the step):
+    the full bucket before the prefill, the bucket of 8 when rows have stopped; a late recording that fails
+    warns, steps unrecorded (the same tokens), and is recorded with warm-ups before the next prefill."""
+    from rlx.plugins.rollout import hf_static
+
+    free = run(dynamic, prompts, n=4, max_tokens=70, greedy=True)
+    stop = (int(free["responses"][0, 3]),)  # the first prompt's rows stop at their fourth token
+    want = run(static, prompts, n=4, max_tokens=70, greedy=True, stop_token_ids=stop)
+    decoder = list(static.static.decoders.values())[-1]
+    calls: list[tuple[int, list[int] | None]] = []
+
+    class Replay:
+        def __init__(self, b: int) -> None:
+            self.b = b
+
+        def replay(self) -> None:
+            decoder.step(self.b)
+
+    def capture(self, warmup=2, sizes=None):
+        calls.append((warmup, sizes))
+        if sizes == [8] and warmup == 0:
+            raise RuntimeError("capture failed")
+        for b in sizes or hf_static.buckets(self.batch):
+            self.graphs[b] = Replay(b)
+
+    monkeypatch.setattr(hf_static.SlotDecoder, "capture", capture)
+    decoder.use_graph, decoder.warm, decoder.graphs = True, False, {}
+    try:
+        with pytest.warns(UserWarning, match="without warm-up failed"):
+            got = run(static, prompts, n=4, max_tokens=70, greedy=True, stop_token_ids=stop)
+        assert calls == [(0, [16]), (0, [8])] and decoder.graphs[8] is None and decoder.live == 8
+        assert torch.equal(got["responses"], want["responses"])
+        calls.clear()
+        again = run(static, prompts, n=4, max_tokens=70, greedy=True, stop_token_ids=stop)
+        assert calls == [(2, [8])] and isinstance(decoder.graphs[8], Replay)
+        assert torch.equal(again["responses"], want["responses"])
+    finally:  # the module's engine steps unrecorded again, as on the CPU
+        decoder.use_graph, decoder.graphs = False, {}
