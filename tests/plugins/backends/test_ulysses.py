@@ -342,6 +342,8 @@ def test_rlx_train_with_sp_2_repeats_the_data_parallel_run(tmp_path: Path) -> No
         proc = subprocess.run(
             [sys.executable, "-m", "rlx", "train", "--preset", "tiny", "--backend", "fsdp2", "--nproc", "2",
              f"actor.ulysses_sequence_parallel_size={size}", "trainer.total_steps=3", "trainer.test_freq=-1",
+             # Ulysses packs whole rows; so does the data-parallel run here, to add the same sums in the same order
+             "actor.share_prompts=false",
              "trainer.loggers=[jsonl]", "trainer.save_freq=0", "trainer.log_samples=0",
              f"trainer.output_dir={run}"],
             cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
