@@ -86,14 +86,24 @@ def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
     return [sorted(rows) for rows in bins]
 
 
-def prompt_groups(batch: Batch) -> torch.Tensor:
-    """(b,) the group of each row: rows with the same valid prompt tokens (a GRPO prompt's responses) are one
-    group, numbered from 0 in no particular order."""
+def distinct_prompts(prompts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (b, P) with their mask, equal token for token and in padding (a GRPO prompt's responses):
+    (the first row of each distinct prompt, and for each row the index of its prompt among those, numbered from
+    0 in no particular order)."""
     import torch
 
-    mask = batch["prompt_mask"].long()
-    rows = torch.cat([batch["prompts"].long() * mask, mask], dim=1)  # padding cannot make two prompts equal
-    return torch.unique(rows, dim=0, return_inverse=True)[1]
+    real = mask.long()
+    rows = torch.cat([prompts.long() * real, real], dim=1)  # padding cannot make two prompts equal
+    groups = torch.unique(rows, dim=0, return_inverse=True)[1]
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    order = torch.arange(groups.shape[0], device=groups.device)
+    firsts = torch.full((count,), groups.shape[0], dtype=torch.long, device=groups.device)
+    return firsts.scatter_reduce(0, groups, order, "amin"), groups
+
+
+def prompt_groups(batch: Batch) -> torch.Tensor:
+    """(b,) the group of each row: rows with the same prompt are one group (:func:`distinct_prompts`)."""
+    return distinct_prompts(batch["prompts"], batch["prompt_mask"])[1]
 
 
 class _Shares(NamedTuple):
@@ -161,8 +171,8 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
     ``share_prompts`` as well (the engine's packed rows carry a shared prompt once): a prompt's rows are kept
     together where the budget allows, and the prompt counts once.
     """
-    items: list[tuple[list[int], int]] = []
     shares: _Shares | None = None
+    items: list[tuple[list[int], int]] = []
     if budget is None:
         local = math.ceil(len(batch) / size) if len(batch) else 0
     else:
@@ -176,10 +186,12 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
                             f"of one micro-batch, {option}={max_tokens}.",
                             f"Raise {option} to at least data.max_prompt_length + data.max_response_length, or "
                             "turn use_dynamic_bsz off.")
+        loads = tokens
         if share_prompts:
             shares = _shares(batch)
             items = _shared_items(shares, max_tokens)
-        local = len(_token_bins([load for _, load in items] if items else tokens, max_tokens, 0))
+            loads = [load for _, load in items]
+        local = len(_token_bins(loads, max_tokens, 0))
     count = int(engine.all_reduce([float(local)], op="max")[0])
     if len(batch) < count:
         raise RuntimeError(f"a data-parallel rank got {len(batch)} rows for {count} micro-batches; "

@@ -216,8 +216,7 @@ class FSDPWorker(TorchWorker):
                    else "its attention does not go through transformers' attention interface")
             raise UserError(f"{option}={self.sp_size} needs packed sequences, but the {self.spec.role} model cannot "
                             f"pack them ({why}).", f"Set {option}=1 for this model.")
-        use_ulysses_attention(hf_model, self.spec.role)
-        self.share_prompts = False  # Ulysses cuts the packed row of whole sequences (its own model_inputs)
+        use_ulysses_attention(hf_model, self.spec.role)  # and with it no shared prompts (TorchWorker.share_prompts)
         # A token budget is per GPU, and a sequence-parallel group of sp GPUs holds sp times as many (verl's
         # rule), so a micro-batch of a group may hold that many.
         if self.update_budget is not None and self.forward_budget is not None:

@@ -270,12 +270,13 @@ def model_inputs(batch: Batch, packed: bool, share_prompts: bool = False) -> tup
     """
     import torch
 
+    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
+    if packed and len(batch) and not bool(prompt_mask.bool().any(-1).all()):
+        raise ValueError("a row has no prompt token: its first response token has no position to be predicted from")
     if packed and share_prompts:
         shared = shared_prompt_inputs(batch)
         if shared is not None:
             return shared
-
-    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
     input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)  # (b, P+R)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -284,8 +285,6 @@ def model_inputs(batch: Batch, packed: bool, share_prompts: bool = False) -> tup
         keep = torch.arange(p - 1, p + r - 1, device=input_ids.device)
         return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}, keep
     valid = mask.bool()
-    if len(batch) and not bool(prompt_mask.bool().any(-1).all()):
-        raise ValueError("a row has no prompt token: its first response token has no position to be predicted from")
     # Index of every valid token in the packed row; a response token is predicted by the token before it,
     # which is in the same sequence because every sequence starts with its prompt.
     packed_index = valid.flatten().cumsum(0).view_as(valid) - 1
@@ -309,20 +308,16 @@ def shared_prompt_inputs(batch: Batch) -> tuple[dict[str, Any], torch.Tensor] | 
     """
     import torch
 
-    from rlx.step import prompt_groups
+    from rlx.step import distinct_prompts
 
-    groups = prompt_groups(batch)
+    firsts, groups = distinct_prompts(batch["prompts"], batch["prompt_mask"])
     b = groups.shape[0]
-    count = int(groups.max()) + 1 if b else 0
-    if count == b:
+    if firsts.shape[0] == b:
         return None
     prompt_mask, response_mask = batch["prompt_mask"].bool(), batch["response_mask"].bool()
-    if not bool(prompt_mask.any(-1).all()):
-        raise ValueError("a row has no prompt token: its first response token has no position to be predicted from")
     device = groups.device
     rows = torch.arange(b, device=device)
-    first = torch.full((count,), b, device=device, dtype=torch.long).scatter_reduce(0, groups, rows, "amin")
-    lead = first[groups]  # (b,) the group's first row: its prompt is the one packed
+    lead = firsts[groups]  # (b,) the group's first row: its prompt is the one packed
     leads = lead == rows
     order = torch.argsort(lead * b + rows)  # groups in order of their first row, members in row order
     p = prompt_mask.shape[1]

@@ -115,14 +115,18 @@ class TorchWorker:
         self.packed = bool(forward.use_remove_padding) and supports_packing(hf_model)
         if self.packed:
             use_packed_sdpa(hf_model)
-        # share_prompts: rows with one prompt carry it once, on rlx's packed attention only (it reads the layout)
-        self.share_prompts = self.packed and bool(forward.share_prompts) and runs_packed_sdpa(hf_model)
         # use_torch_compile: the decoder layers, and the chunked head's element-wise work
         self.compile_head = bool(forward.use_torch_compile)
         if self.compile_head:
             compile_decoder_layers(hf_model, self.spec.role)
         self.chunk_size = int(forward.log_prob_chunk_size)
         self.update_budget, self.forward_budget = forward.update_budget, forward.forward_budget
+
+    @property
+    def share_prompts(self) -> bool:
+        """Rows with one prompt carry it once (``forward.share_prompts``): packed rows on rlx's packed attention
+        only, which reads the layout that says so (not Ulysses' attention, which cuts whole sequences)."""
+        return self.packed and bool(self.spec.forward.share_prompts) and runs_packed_sdpa(self.hf_model)
 
     def _set_up_optimizer(self) -> None:
         """AdamW and the learning-rate schedule for a trainable role; a frozen one gets no gradients."""

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlx.plugins.rollout.hf_sampling import Sampler, cache_argument, prompt_positions
+from rlx.step import distinct_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -688,23 +689,6 @@ def slot_prefill(w: FusedWeights, ids: Any, mask: Any, positions: Any, k_caches:
     return torch.nn.functional.linear(_rms_norm(h[:, -1], w.norm_w, w.norm_eps), w.head)
 
 
-def distinct_prompts(ids: Any, mask: Any) -> tuple[Any, Any] | None:
-    """For left-padded prompts (rows, P) that repeat: (the first row of each distinct prompt, and for each row
-    the index of its prompt among those), or None when every row's prompt is its own."""
-    import torch
-
-    real = mask.long()
-    inverse = torch.unique(torch.cat([ids.long() * real, real], dim=1), dim=0, return_inverse=True)[1]
-    rows = ids.shape[0]
-    count = int(inverse.max()) + 1 if rows else 0
-    if count == rows:
-        return None
-    order = torch.arange(rows, device=ids.device)
-    firsts = torch.full((count,), rows, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, order,
-                                                                                             "amin")
-    return firsts, inverse
-
-
 def _fused_kernels_off() -> None:
     global FUSED_KERNELS
     FUSED_KERNELS = False
@@ -822,6 +806,8 @@ class SlotDecoder:
         rows, width = ids.shape
         positions = prompt_positions(mask)
         shared = distinct_prompts(ids, mask) if SHARE_PREFILL else None
+        if shared is not None and shared[0].shape[0] == rows:
+            shared = None  # every row's prompt is its own
         p_ids, p_mask, p_pos = ids, mask, positions
         if shared is not None:  # cache rows :n hold the n distinct prompts until the copy below
             p_ids, p_mask, p_pos = ids[shared[0]], mask[shared[0]], positions[shared[0]]
@@ -921,44 +907,39 @@ class SlotDecoder:
         without warm-up steps, and each smaller one when the decode first reaches it (:meth:`_late_graph`: a
         decode whose rows all run to the end records one graph, not one per bucket); if that first recording
         fails, every bucket is recorded with warm-ups."""
-        import torch
-
         if self._retry:  # buckets whose late recording failed: once more, with warm-ups, before this prefill
             failed, self._retry = sorted(self._retry, reverse=True), set()
             for b in failed:
-                try:
-                    self.capture(sizes=[b])
-                except Exception as exc:
-                    if isinstance(exc, torch.cuda.OutOfMemoryError):
-                        raise
+                if self._capture_error(2, b) is not None:
                     self.graphs[b] = None  # for good: this bucket steps unrecorded
             return
         if self.warm:
             self.capture()
-            return
+        elif self._capture_error(0, self.batch) is not None:
+            self.graphs.clear()
+            self.capture()
+
+    def _capture_error(self, warmup: int, b: int) -> Exception | None:
+        """:meth:`capture` of bucket ``b``; what made it fail, or None (a GPU out of memory is raised)."""
+        import torch
+
         try:
-            self.capture(warmup=0, sizes=[self.batch])
+            self.capture(warmup=warmup, sizes=[b])
         except Exception as exc:
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
-            self.graphs.clear()
-            self.capture()
+            return exc
+        return None
 
     def _late_graph(self, b: int) -> Any:
         """Bucket ``b``'s graph, recorded now (no warm-up steps: its shape was recorded before), or None when
         that fails: the bucket then steps unrecorded for this rollout, and is recorded again with warm-ups
         before the next prefill (:meth:`_record`)."""
-        import warnings
-
-        import torch
         from torch.profiler import record_function
 
-        try:
-            with record_function("rlx.hf.capture"):
-                self.capture(warmup=0, sizes=[b])
-        except Exception as exc:
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                raise
+        with record_function("rlx.hf.capture"):
+            exc = self._capture_error(0, b)
+        if exc is not None:
             warnings.warn(f"recording the decode step of {b} rows without warm-up failed ({type(exc).__name__}: "
                           f"{exc}); these rows step unrecorded until the next rollout records them with warm-ups",
                           stacklevel=2)

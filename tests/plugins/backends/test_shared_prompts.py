@@ -107,17 +107,32 @@ def both(path: str, role: str = "ref", **options: Any):
     return worker(path, role, share_prompts=False, **options), worker(path, role, **options)
 
 
+def tokens_through_the_model(w: Any, batch: Batch) -> int:
+    """The packed row's length in the worker's forward pass of ``batch``: what sharing really changes."""
+    from rlx.plugins.modeling.head import forward_inputs
+
+    inputs, _, _ = forward_inputs(w.to_device(batch), w.packed, w.hf_model, w.share_prompts)
+    return int(inputs["input_ids"].shape[1])
+
+
+def assert_shares(whole: Any, shared: Any, batch: Batch) -> None:
+    """``shared`` carries each prompt once and ``whole`` every row whole (so the comparisons compare something)."""
+    assert tokens_through_the_model(shared, batch) == shared_tokens(batch) < tokens_through_the_model(whole, batch)
+
+
 @pytest.mark.parametrize("chunk", [0, 5], ids=["plain-head", "chunked-head"])
 def test_shared_log_probs_entropy_and_values_equal_the_whole_rows(model_path, chunk):
     batch = grouped_batch()
     mask = batch["response_mask"].bool()
     whole, shared = both(model_path, log_prob_chunk_size=chunk)
-    assert shared.share_prompts and not whole.share_prompts
+    assert_shares(whole, shared, batch)
     want, got = whole.compute_log_probs(batch, with_entropy=True), shared.compute_log_probs(batch, with_entropy=True)
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(got[key][mask], want[key][mask], atol=ATOL, rtol=0, msg=key)
         assert torch.all(got[key][~mask] == 0)
-    want_v, got_v = (c.compute_values(batch)["values"] for c in both(model_path, "critic"))
+    critics = both(model_path, "critic")
+    assert_shares(*critics, batch)
+    want_v, got_v = (c.compute_values(batch)["values"] for c in critics)
     torch.testing.assert_close(got_v, want_v, atol=ATOL, rtol=0)
     assert float(want_v[mask].abs().min()) > 0
 
@@ -142,7 +157,9 @@ def test_shared_gradients_equal_the_whole_rows(model_path):
     ctx = LossContext(float(batch["response_mask"].sum()), float(len(batch)))
     loss_fn = grpo_loss(entropy_coeff=0.01)
     out = {}
-    for w in both(model_path, "actor", log_prob_chunk_size=5):
+    actors = both(model_path, "actor", log_prob_chunk_size=5)
+    assert_shares(*actors, batch)
+    for w in actors:
         loss, _ = loss_fn(w.forward(batch, grad=True), batch, ctx)
         loss.backward()
         out[w.share_prompts] = grads(w.model)
@@ -267,6 +284,7 @@ def test_shared_prompts_on_the_varlen_kernel_give_the_whole_rows_log_probs_and_g
         w = TorchWorker(spec(tiny_model_path, "actor", share_prompts=share, model_dtype="bfloat16"),
                         TorchBackendOptions(), "cuda")
         assert w.share_prompts == share
+        assert (tokens_through_the_model(w, batch) == shared_tokens(batch)) == share
         got[share] = w.compute_log_probs(batch)["log_probs"][mask].float()
         loss, _ = grpo_loss()(w.forward(w.to_device(batch), grad=True), w.to_device(batch), ctx)
         loss.backward()

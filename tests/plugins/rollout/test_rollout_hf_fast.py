@@ -531,6 +531,7 @@ def test_a_repeated_prompt_is_prefilled_once_with_the_same_cache_and_first_token
     """hf_static.SHARE_PREFILL: rows that repeat a prompt (a GRPO step's samples) share one prefill, whose keys,
     values and last logits are copied to them. The cache and first token are those of prefilling every row."""
     from rlx.plugins.rollout import hf_static
+    from rlx.step import distinct_prompts
 
     monkeypatch.setattr(hf_static, "OWN_PREFILL", own)
     rollout = engine(policy, decoder="static", prompt_bucket=8)
@@ -541,9 +542,9 @@ def test_a_repeated_prompt_is_prefilled_once_with_the_same_cache_and_first_token
     for i, row in enumerate(rows.tolist()):
         real = prompts["input_ids"][row][prompts["attention_mask"][row].bool()]
         ids[i, 16 - len(real):], mask[i, 16 - len(real):] = real, 1
-    firsts, inverse = hf_static.distinct_prompts(ids, mask)
+    firsts, inverse = distinct_prompts(ids, mask)
     assert torch.equal(ids[firsts][inverse], ids) and sorted(firsts.tolist()) == [0, 1, 3]
-    assert hf_static.distinct_prompts(prompts["input_ids"], prompts["attention_mask"]) is None
+    assert len(distinct_prompts(prompts["input_ids"], prompts["attention_mask"])[0]) == 3  # each its own
     seen: list[int] = []
     if own:
         original = decoder.prefill_fn
