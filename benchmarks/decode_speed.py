@@ -185,6 +185,8 @@ def bench_shape(shape: str, batches: list[int], args: argparse.Namespace, folder
     results = []
     for rows in batches:
         row: dict[str, Any] = {"shape": shape, "rows": rows, "compile": args.compile}
+        if args.variant:
+            row["variant"] = args.variant
         try:
             prompts, n = make_prompts(rows, work["prompt_len"], min(stop or (config.vocab_size - 2,)),
                                       config.pad_token_id, seed=rows)
@@ -221,7 +223,8 @@ def bench_shape(shape: str, batches: list[int], args: argparse.Namespace, folder
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["gpu"] = torch.cuda.get_device_name()
             if args.profile and rows == args.profile:
-                profile(engine, prompts, params, Path(args.out).with_suffix(f".{shape}.{rows}.profile.txt"))
+                tag = f".{args.variant}" if args.variant else ""
+                profile(engine, prompts, params, Path(args.out).with_suffix(f".{shape}.{rows}{tag}.profile.txt"))
             engine.close()
             del engine
         except Exception as exc:  # one failing size must not lose the others' numbers
@@ -248,7 +251,7 @@ def profile(engine: Any, prompts: Any, params: Any, path: Path) -> None:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = ("shape", "rows", "generate_s", "steps", "ms_per_step", "ms_per_decode_step", "floor_ms_per_step",
+    head = ("shape", "rows", "variant", "generate_s", "steps", "ms_per_step", "ms_per_decode_step", "floor_ms_per_step",
             "mean_len", "prefill_s", "first_call_s", "log_prob_diff", "peak_gib")
     lines = [" | ".join(head)]
     for r in results:
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", action="store_true", help="time the prefill apart (a generate of one token)")
     ap.add_argument("--check", action="store_true", help="log-probs of 16 rows against the training forward pass")
     ap.add_argument("--profile", type=int, default=0, help="profile one generate at this batch size")
+    ap.add_argument("--l2-prefetch", nargs="*", default=[], metavar="MODE[:SCHEDULE]",
+                    help="run every shape and batch once per setting of hf_prefetch (off, line, bulk, load; "
+                         "schedule mlp or mlp+next), in this order (an A/B in one process)")
     ap.add_argument("--out", default="decode_speed.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two batch sizes (CI)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
@@ -329,11 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
+    from rlx.plugins.rollout import hf_prefetch
+
     results: list[dict[str, Any]] = []
+    args.variant = ""
     with tempfile.TemporaryDirectory() as tmp:
-        for shape in args.shape:
-            results += bench_shape(shape, args.batch, args, Path(tmp))
-            Path(args.out).write_text(json.dumps(results, indent=1))
+        for setting in args.l2_prefetch or [""]:
+            if setting:
+                mode, _, schedule = setting.partition(":")
+                hf_prefetch.MODE, hf_prefetch.SCHEDULE = mode, schedule or "mlp"  # type: ignore[assignment]
+                args.variant = f"l2-{mode}" + (f"-{schedule}" if schedule else "")
+            for shape in args.shape:
+                results += bench_shape(shape, args.batch, args, Path(tmp))
+                Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
     if args.smoke:
         bad = [r for r in results if "error" in r or not r["steps"] or r["log_prob_diff"] > 1e-3]

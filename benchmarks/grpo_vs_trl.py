@@ -500,6 +500,9 @@ def main() -> int:
     ap.add_argument("--hf-static", action="append", default=[], metavar="NAME=0|1",
                     help="A switch of the hf engine's static decoder for this run (rlx.plugins.rollout.hf_static's "
                     "module flags, e.g. REWARM=1, OWN_PREFILL=0; repeat for several): an A/B between calls.")
+    ap.add_argument("--l2-prefetch", default=None, metavar="MODE[:SCHEDULE]",
+                    help="the hf engine's L2 prefetch of the decode step's weights (rlx.plugins.rollout.hf_prefetch: "
+                    "off, line, bulk or load; schedule mlp or mlp+next) for this run")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
     if args.smoke and args.profile:
@@ -513,6 +516,14 @@ def main() -> int:
             ap.error(f"--hf-static {flag}: expected NAME=0 or NAME=1, NAME one of {', '.join(switches)}")
         setattr(hf_static, name, value == "1")
         record(f"hf_static/{name}", value == "1")
+    if args.l2_prefetch:
+        from rlx.plugins.rollout import hf_prefetch
+
+        mode, _, schedule = args.l2_prefetch.partition(":")
+        if mode not in ("off", "line", "bulk", "load") or schedule not in ("", "mlp", "mlp+next"):
+            ap.error(f"--l2-prefetch {args.l2_prefetch}: expected off, line, bulk or load, then :mlp or :mlp+next")
+        hf_prefetch.MODE, hf_prefetch.SCHEDULE = mode, schedule or "mlp"  # type: ignore[assignment]
+        record("hf_prefetch", args.l2_prefetch)
     parts = (args.parts or ("trl,rlx,rlx_gc,rlx_bf16,rlx_async,gen" if args.smoke else "trl,rlx,rlx_gc,gen")).split(",")
     unknown = [p for p in parts if p not in ("trl", "rlx", "rlx_gc", "rlx_bf16", "rlx_async", "gen")]
     if unknown:

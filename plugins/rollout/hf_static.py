@@ -339,6 +339,16 @@ class FusedWeights:
 
             self.linear = torch.nn.functional.linear
         self.pointers = self._pointers(model)
+        # The MLP weights pulled into L2 while the attention half of each layer runs (hf_prefetch), where on.
+        from rlx.plugins.rollout import hf_prefetch
+
+        self.scratch: Any = None
+        if hf_prefetch.usable(self.embed.device):
+            import torch
+
+            self.prefetch: Any = hf_prefetch.prefetch_op()
+            self.schedule = hf_prefetch.SCHEDULE
+            self.scratch = torch.zeros(1, dtype=torch.int32, device=self.embed.device)
 
     @staticmethod
     def _pointers(model: Any) -> tuple[int, ...]:
@@ -631,6 +641,8 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
     for i, layer in enumerate(w.layers):
         x = _rms_norm(h, layer["in_w"], layer["in_eps"])
         qkv = w.linear(x, layer["qkv"], layer["qkv_b"])
+        if w.scratch is not None:  # this layer's MLP weights into L2 while its attention half runs
+            w.prefetch(w.scratch, qkv, [layer["gate_up"], layer["down"]])
         q = qkv[:, :nq].reshape(b, w.heads, d)
         k = qkv[:, nq:nq + nk].reshape(b, w.kv_heads, d)
         v = qkv[:, nq + nk:].reshape(b, w.kv_heads, d)
@@ -644,6 +656,9 @@ def slot_forward(w: FusedWeights, tok: Any, pos: Any, start: Any, slot: Any, k_c
         h = h + w.linear(a.reshape(b, nq), layer["o"], layer["o_b"])
         x = _rms_norm(h, layer["post_w"], layer["post_eps"])
         gate_up = w.linear(x, layer["gate_up"], layer["gate_up_b"])
+        if w.scratch is not None and w.schedule == "mlp+next" and i + 1 < len(w.layers):
+            after = w.layers[i + 1]  # the next layer's attention products, while this MLP runs
+            w.prefetch(w.scratch, gate_up, [after["qkv"], after["o"]])
         act = layer["act"](gate_up[:, :w.intermediate]) * gate_up[:, w.intermediate:]
         h = h + w.linear(act, layer["down"], layer["down_b"])
     return w.linear(_rms_norm(h, w.norm_w, w.norm_eps), w.head, None)
@@ -771,6 +786,8 @@ class SlotDecoder:
         """One decode step of slots :b, entirely on the device (what each bucket's graph records)."""
         import torch
 
+        from rlx.plugins.rollout import hf_prefetch
+
         noise = None
         if self.fused:  # the kernel's seed, drawn afresh at every replay of a recorded graph
             noise = self.seed
@@ -784,6 +801,7 @@ class SlotDecoder:
             for t in (tok, pos, start) + ((noise,) if noise is not None and not self.fused else ()):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         token, log_prob = self.step_fn(tok, pos, start, noise)
+        hf_prefetch.join()  # the side stream of the L2 prefetch, if it ran, back into this one
         rows = self.row[:b]
         columns = self.column.expand(b)
         self.tokens.index_put_((rows, columns), token)

@@ -178,3 +178,18 @@ def test_the_rotary_embedding_inside_the_attention_kernel(splits: int, dtype: to
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(caches[0][:, :, slot].float(), kr, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape,dtype", [((64, 96), torch.bfloat16), ((1001,), torch.uint8),
+                                         ((3, 5000), torch.float32)])
+def test_the_l2_prefetchs_load_kernel_reads_any_tensor_and_writes_nothing(shape, dtype):
+    """hf_prefetch's ``load`` mode (the one the interpreter can run: the other two are PTX) covers tensors of
+    whole and partial blocks, in words of 4 bytes or single bytes, and leaves its scratch as it was."""
+    from rlx.plugins.rollout.hf_prefetch import _kernels
+
+    run = _kernels()
+    assert run is not None
+    flat = (torch.arange(int(torch.tensor(shape).prod())) % 7).reshape(shape).to(dtype).to(DEVICE)
+    scratch = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    run(flat, scratch, "load")
+    assert int(scratch.item()) == 0

@@ -605,3 +605,64 @@ def test_a_late_recording_that_fails_steps_unrecorded_and_is_recorded_again_with
         assert torch.equal(again["responses"], want["responses"])
     finally:  # the module's engine steps unrecorded again, as on the CPU
         decoder.use_graph, decoder.graphs = False, {}
+
+
+@pytest.mark.parametrize("schedule,calls", [("mlp", 2), ("mlp+next", 3)])
+def test_the_l2_prefetch_stays_in_the_compiled_step_and_changes_nothing(policy, prompts, monkeypatch, schedule,
+                                                                       calls):
+    """With the L2 prefetch on (hf_prefetch: a GPU only; here its op is put in by hand, and off a GPU it returns at
+    once), the slot step compiled by inductor keeps one rlx::l2_prefetch call per layer (2 layers; with
+    ``mlp+next`` one more between the layers), although nothing reads what it writes, and gives the tokens and
+    log-probs of the step without it."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlx.plugins.rollout import hf_prefetch
+
+    rollout = engine(policy, decoder="static", prompt_bucket=8)
+    run(rollout, prompts, n=1, max_tokens=4, greedy=True)
+    decoder = list(rollout.static.decoders.values())[-1]
+    w = decoder.w
+    assert w.scratch is None  # never on off a GPU
+    b = decoder.live
+    args = (decoder.tok[:b], decoder.pos[:b], decoder.start[:b], decoder.seed)
+    want = decoder._choose(*(a.clone() for a in args))
+    monkeypatch.setattr(hf_prefetch, "MODE", "load")
+    monkeypatch.setattr(w, "scratch", torch.zeros(1, dtype=torch.int32), raising=False)
+    monkeypatch.setattr(w, "prefetch", hf_prefetch.prefetch_op(), raising=False)
+    monkeypatch.setattr(w, "schedule", schedule, raising=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(decoder._choose, dynamic=None)
+    for t in args[:3]:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    compiled(*(a.clone() for a in args))  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = compiled(*(a.clone() for a in args))
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("rlx::l2_prefetch") == calls, {k: v for k, v in counts.items() if "rlx" in k}
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["line", "bulk", "load"])
+def test_recorded_steps_with_the_l2_prefetch_decode_what_they_decode_without_it(policy, prompts, monkeypatch, mode):
+    """The prefetch forks a side stream inside each recorded step and joins it at the step's end: greedy decodes
+    through the recorded graphs, with each way of asking for the bytes, equal those without the prefetch."""
+    from rlx.plugins.rollout import hf_prefetch
+
+    def decode(setting: str) -> Batch:
+        monkeypatch.setattr(hf_prefetch, "MODE", setting)
+        monkeypatch.setattr(hf_prefetch, "SCHEDULE", "mlp+next")
+        rollout = engine(policy, "cuda", dtype="bfloat16", compile="default", prompt_bucket=8)
+        out = run(rollout, prompts, n=4, max_tokens=40, greedy=True)
+        assert (rollout.static.weights.scratch is not None) == (setting != "off")
+        return out
+
+    plain, fetched = decode("off"), decode(mode)
+    assert mode == hf_prefetch.MODE  # its kernel ran (a failure turns it off)
+    assert torch.equal(plain["responses"], fetched["responses"])
+    torch.testing.assert_close(plain["rollout_log_probs"], fetched["rollout_log_probs"], atol=0, rtol=0)
