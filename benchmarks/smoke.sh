@@ -44,6 +44,7 @@ smoke gpu_step "$PY" benchmarks/gpu_step.py "$TMP/gpu_step" --smoke
 smoke overlap_probe "$PY" benchmarks/overlap_probe.py "$TMP/overlap_probe" --smoke
 smoke builtin_learning "$PY" benchmarks/builtin_learning.py --smoke --out "$TMP/builtin_learning"
 smoke from_verl_scripts "$PY" benchmarks/from_verl_scripts.py --smoke
+smoke dispatch_balance "$PY" benchmarks/dispatch_balance.py --smoke
 # megatron_step.py: a 2-layer model through megatron-core's local layers on one gloo rank (its DDP and optimizer
 # need CUDA), eager and with compiled layers, and the row's arithmetic (needs the megatron extra).
 smoke megatron_step "$PY" benchmarks/megatron_step.py step --smoke --variants default budget64+compile \

@@ -62,20 +62,19 @@ def row_tokens(batch: Batch) -> list[int]:
 
 
 def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
-    """Row indices in ``count`` groups of at most ``budget`` tokens each: first-fit decreasing, then the
-    heaviest groups of several rows halved until there are ``count`` (``count`` is at least the number
-    first-fit needs, and at most the number of rows)."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        for b, load in enumerate(loads):
-            if load + tokens[i] <= budget:
-                bins[b].append(i)
-                loads[b] += tokens[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(tokens[i])
+    """Row indices in ``count`` groups of at most ``budget`` tokens each (``count`` is at most the number of
+    rows), or in as many as first-fit decreasing needs if that is more, with nearly equal token counts.
+
+    First-fit decreasing says how many groups are needed; the rows, heaviest first, then go each to the
+    lightest group it fits in (so the last group is not a remainder: a lower peak of activation memory for
+    the same passes). Where that does not fit them all, first-fit's groups are kept, and the heaviest of
+    several rows are halved until there are ``count``.
+    """
+    order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    bins, loads = _first_fit(tokens, order, budget)
+    even = _even_bins(tokens, order, budget, max(count, len(bins)))
+    if even is not None:
+        return even
     while len(bins) < count:
         b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: loads[b])
         rows = bins.pop(b)
@@ -86,6 +85,37 @@ def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
     return [sorted(rows) for rows in bins]
 
 
+def _first_fit(tokens: list[int], order: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """The rows (``order``: heaviest first) first-fit into groups of at most ``budget`` tokens, with their loads."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + tokens[i] <= budget:
+                bins[b].append(i)
+                loads[b] += tokens[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(tokens[i])
+    return bins, loads
+
+
+def _even_bins(tokens: list[int], order: list[int], budget: int, count: int) -> list[list[int]] | None:
+    """The rows (``order``: heaviest first) in ``count`` groups, each row to the lightest group it fits in
+    within ``budget``; None where one fits in none."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in order:
+        fits = [b for b in range(count) if loads[b] + tokens[i] <= budget]
+        if not fits:
+            return None
+        b = min(fits, key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += tokens[i]
+    return [sorted(rows) for rows in bins]
+
+
 def distinct_prompts(prompts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts (b, P) with their mask, equal token for token and in padding (a GRPO prompt's responses):
     (the first row of each distinct prompt, and for each row the index of its prompt among those, numbered from
@@ -93,12 +123,35 @@ def distinct_prompts(prompts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
     import torch
 
     real = mask.long()
-    rows = torch.cat([prompts.long() * real, real], dim=1)  # padding cannot make two prompts equal
-    groups = torch.unique(rows, dim=0, return_inverse=True)[1]
+    tokens = prompts.long() * real
+    # Rows grouped by a 64-bit hash of their tokens and padding (a 1-d unique, not one over whole rows), then
+    # checked token for token against their group's first row; a collision falls back to comparing whole rows.
+    groups = torch.unique(_row_hash(tokens, real), return_inverse=True)[1]
+    firsts = _firsts(groups)
+    if not (torch.equal(tokens, tokens[firsts][groups]) and torch.equal(real, real[firsts][groups])):
+        rows = torch.cat([tokens, real], dim=1)  # padding cannot make two prompts equal
+        groups = torch.unique(rows, dim=0, return_inverse=True)[1]
+        firsts = _firsts(groups)
+    return firsts, groups
+
+
+def _row_hash(tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """(b,) int64: each row's tokens and padding under fixed random weights (sums wrap around)."""
+    import torch
+
+    weights = torch.randint(1, 2**62, (2, tokens.shape[1]), generator=torch.Generator().manual_seed(0))
+    weights = weights.to(tokens.device)
+    return (tokens * weights[0] + real * weights[1]).sum(1)
+
+
+def _firsts(groups: torch.Tensor) -> torch.Tensor:
+    """The first row of each group (numbered from 0) of ``groups`` (b,)."""
+    import torch
+
     count = int(groups.max()) + 1 if groups.numel() else 0
     order = torch.arange(groups.shape[0], device=groups.device)
     firsts = torch.full((count,), groups.shape[0], dtype=torch.long, device=groups.device)
-    return firsts.scatter_reduce(0, groups, order, "amin"), groups
+    return firsts.scatter_reduce(0, groups, order, "amin")
 
 
 def prompt_groups(batch: Batch) -> torch.Tensor:
@@ -106,7 +159,7 @@ def prompt_groups(batch: Batch) -> torch.Tensor:
     return distinct_prompts(batch["prompts"], batch["prompt_mask"])[1]
 
 
-class _Shares(NamedTuple):
+class PromptShares(NamedTuple):
     """Per row: its prompt's group (:func:`prompt_groups`), its valid prompt and response tokens."""
 
     groups: list[int]
@@ -123,21 +176,27 @@ class _Shares(NamedTuple):
         return total
 
 
-def _shares(batch: Batch) -> _Shares:
-    return _Shares([int(g) for g in prompt_groups(batch).tolist()],
+    def members(self) -> list[list[int]]:
+        """The rows of each prompt, in row order (prompts in the order of their first row)."""
+        rows: dict[int, list[int]] = {}
+        for row, group in enumerate(self.groups):
+            rows.setdefault(group, []).append(row)
+        return list(rows.values())
+
+
+def prompt_shares(batch: Batch) -> PromptShares:
+    """The :class:`PromptShares` of ``batch`` (it needs ``prompts``, ``prompt_mask`` and ``response_mask``)."""
+    return PromptShares([int(g) for g in prompt_groups(batch).tolist()],
                    [int(v) for v in batch["prompt_mask"].sum(-1).tolist()],
                    [int(v) for v in batch["response_mask"].sum(-1).tolist()])
 
 
-def _shared_items(shares: _Shares, budget: int) -> list[tuple[list[int], int]]:
+def _shared_items(shares: PromptShares, budget: int) -> list[tuple[list[int], int]]:
     """The rows as items for micro-batches whose rows share their prompts (``share_prompts``): each item
     the rows of one prompt, in row order, cut where the prompt (counted once) and the responses so far would
     pass ``budget``; with its tokens."""
-    members: dict[int, list[int]] = {}
-    for row, group in enumerate(shares.groups):
-        members.setdefault(group, []).append(row)
     items: list[tuple[list[int], int]] = []
-    for rows in members.values():
+    for rows in shares.members():
         item: list[int] = []
         for row in rows:
             if item and shares.load([*item, row]) > budget:
@@ -148,11 +207,13 @@ def _shared_items(shares: _Shares, budget: int) -> list[tuple[list[int], int]]:
     return items
 
 
-def _shared_bins(items: list[tuple[list[int], int]], shares: _Shares, budget: int, count: int) -> list[list[int]]:
+def _shared_bins(items: list[tuple[list[int], int]], shares: PromptShares, budget: int,
+                 count: int) -> list[list[int]]:
     """``count`` groups of rows from ``items``, none over ``budget`` tokens (prompts counted once): whole items
-    first-fit decreasing, as many groups as the items allow; then, while there are fewer than ``count`` (another
-    rank needs more micro-batches), the group of the most tokens halved by its rows in row order (a part of a
-    group never holds more tokens than the group, and a prompt's rows stay together as far as they can)."""
+    in nearly even groups (:func:`_token_bins`), as many groups as the items allow; then, while there are fewer
+    than ``count`` (another rank needs more micro-batches), the group of the most tokens halved by its rows in
+    row order (a part of a group never holds more tokens than the group, and a prompt's rows stay together as
+    far as they can)."""
     held = _token_bins([load for _, load in items], budget, min(count, len(items)))
     bins = [sorted(row for k in part for row in items[k][0]) for part in held]
     while len(bins) < count:
@@ -171,7 +232,7 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
     ``share_prompts`` as well (the engine's packed rows carry a shared prompt once): a prompt's rows are kept
     together where the budget allows, and the prompt counts once.
     """
-    shares: _Shares | None = None
+    shares: PromptShares | None = None
     items: list[tuple[list[int], int]] = []
     if budget is None:
         local = math.ceil(len(batch) / size) if len(batch) else 0
@@ -188,7 +249,7 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
                             "turn use_dynamic_bsz off.")
         loads = tokens
         if share_prompts:
-            shares = _shares(batch)
+            shares = prompt_shares(batch)
             items = _shared_items(shares, max_tokens)
             loads = [load for _, load in items]
         local = len(_token_bins(loads, max_tokens, 0))

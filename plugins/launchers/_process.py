@@ -370,14 +370,16 @@ class ProcessWorkerGroup:
         self.ranks = ranks if ranks is not None else list(range(len(infos)))
         self.world_size = len(infos)
         self.dp_size = infos[0].dp_size
-        self.balanced = self.dp_size > 1 and role in getattr(launcher, "balanced_roles", frozenset())
+        roles = getattr(launcher, "balanced_roles", {})
+        self.balanced = self.dp_size > 1 and role in roles
+        self.share_prompts = bool(roles.get(role, False))  # a prompt's rows go to one rank together
         # Its calls may run in a thread beside other groups' (asynchronous RL, rlx.overlap) when its processes
         # hold no other role and are not the driver's: a rollout pool. Colocated, the ranks' command loops would
         # interleave two streams of commands.
         self.overlaps_training = False
 
     def call(self, method: Callable[..., Any], batch: Batch | list[Batch], *args: Any, **kwargs: Any) -> Any:
-        batch, order = balance(batch, self.dp_size) if self.balanced else (batch, None)
+        batch, order = balance(batch, self.dp_size, self.share_prompts) if self.balanced else (batch, None)
         parts = shard(batch, self.dp_size)
         shares = [parts[info.dp_rank] for info in self.infos]
         results = self.launcher.run(("call", self.role, method_name(method), args, kwargs), shares, self.ranks)

@@ -145,7 +145,6 @@ class ProcessLauncher(PhaseSwitch):
     """The training pool's N processes (and the rollout pool's K) with torch.distributed; this process is
     rank 0 (see the module doc)."""
 
-    balanced_roles: frozenset[str] = frozenset()  # see balanced_roles(); set from the config by build()
 
     def __init__(self, options: LocalOptions, device: str, seed: int) -> None:
         import multiprocessing as mp
@@ -155,6 +154,9 @@ class ProcessLauncher(PhaseSwitch):
 
         self.options = options
         self.sleep_rollout = options.sleep_rollout
+        # Roles balanced over data-parallel ranks by tokens, and whether each shares prompts (rlx.dispatch);
+        # set from the config by build().
+        self.balanced_roles: dict[str, bool] = {}
         self.children: list[Any] = []
         self.stopping = self.failed = False
         self.lock = threading.Lock()

@@ -178,13 +178,15 @@ def _failure(exc: BaseException) -> _Failure:
 class RayLauncher(PhaseSwitch):
     """Ray actors as the workers (see the module doc); this process drives and is not a rank."""
 
-    balanced_roles: frozenset[str] = frozenset()  # local.balanced_roles(); set from the config by build()
 
     def __init__(self, options: RayOptions, device: str, seed: int) -> None:
         ray = require("ray", "ray", "The ray launcher (launcher.name=ray)")
         self.ray = ray
         self.options = options
         self.sleep_rollout = options.sleep_rollout
+        # Roles balanced over data-parallel ranks by tokens, and whether each shares prompts (rlx.dispatch);
+        # set from the config by build().
+        self.balanced_roles: dict[str, bool] = {}
         self.started = False  # a local Ray instance of this run
         self.connected = False  # ray.init called here: ray.shutdown at the end
         self.layout = Layout(options.nproc, options.rollout_nproc)

@@ -81,6 +81,19 @@ def test_token_bins_respect_the_budget_and_the_count():
             assert all(sum(tokens[i] for i in b) <= budget for b in bins)
 
 
+def test_token_bins_are_even_not_a_remainder():
+    # eight rows of 10 tokens, a budget of 70: first-fit needs two groups and fills them 70 + 10; they get 40 + 40
+    assert [len(b) for b in _token_bins([10] * 8, 70, 0)] == [4, 4]
+    tokens = [30, 25, 20, 15, 10, 5]
+    bins = _token_bins(tokens, 60, 0)  # first-fit: 30+25+5, 20+15+10; even: 30+15+10 = 55 and 25+20+5 = 50
+    assert [sum(tokens[i] for i in b) for b in bins] == [55, 50]
+    assert [len(b) for b in _token_bins([10] * 8, 70, 3)] == [3, 3, 2]  # another rank needs three
+    # where the even rule cannot place every row, first-fit's groups stay: 3+3 and 2+2+2 under a budget of 6,
+    # where lightest-first puts the 3s apart, a 2 beside each, and has no room for the last 2
+    tokens = [3, 3, 2, 2, 2]
+    assert sorted(sorted(tokens[i] for i in b) for b in _token_bins(tokens, 6, 0)) == [[2, 2, 2], [3, 3]]
+
+
 def gradients_at_step(worker: TorchWorker) -> dict[str, torch.Tensor]:
     """Filled with the accumulated gradients each time ``worker`` takes an optimizer step."""
     grads: dict[str, torch.Tensor] = {}

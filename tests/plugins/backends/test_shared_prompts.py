@@ -64,6 +64,20 @@ def test_rows_are_grouped_by_their_valid_prompt_tokens():
     assert len(set(prompt_groups(batch).tolist())) == 2
 
 
+def test_rows_whose_hashes_collide_are_still_grouped_by_their_tokens(monkeypatch):
+    """Rows are grouped by a hash, checked token for token; where two prompts share a hash (every row here) the
+    rows are compared whole instead, with the same groups."""
+    from rlx import step
+
+    batch = grouped_batch()
+    want = prompt_groups(batch).tolist()
+    monkeypatch.setattr(step, "_row_hash", lambda tokens, real: torch.zeros(len(tokens), dtype=torch.long))
+    got = prompt_groups(batch).tolist()
+    assert len(set(got)) == 3 and [[g == h for h in got] for g in got] == [[g == h for h in want] for g in want]
+    firsts, groups = step.distinct_prompts(batch["prompts"], batch["prompt_mask"])
+    assert sorted(firsts.tolist()) == [0, 1, 3] and groups.tolist() == got
+
+
 def test_a_shared_prompt_is_packed_once_before_its_responses():
     batch = grouped_batch()
     inputs, keep = model_inputs(batch, packed=True, share_prompts=True)

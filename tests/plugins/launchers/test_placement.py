@@ -298,6 +298,53 @@ def test_balanced_dispatch_evens_the_ranks_tokens_and_returns_rows_in_their_orde
         batch["row"].tolist() for batch in (balance(ragged(16, 0), 2)[0], balance(ragged(16, 1), 2)[0])]
 
 
+def grouped(groups: int, n: int, seed: int) -> Batch:
+    """``groups`` prompts of 1 to 40 tokens with ``n`` responses each of 1 to 60 (a GRPO batch), rows of a
+    prompt side by side, each with its index in ``row``."""
+    batch = ragged(groups * n, seed)
+    first = torch.arange(groups).repeat_interleave(n) * n
+    for key in ("prompts", "prompt_mask"):
+        batch.tensors[key] = batch[key][first]
+    return batch
+
+
+def test_balanced_dispatch_keeps_a_prompts_rows_on_one_rank_where_they_share_it() -> None:
+    """share_prompts: a prompt's rows are placed together, weighed with the prompt once. By hand: 4 prompts of
+    10 tokens with 2 responses each of 5, 1, 8 and 3 tokens (20, 12, 26 and 16 tokens carried): heaviest first
+    to the lightest rank, 26 and 12 on one rank, 20 and 16 on the other (38 and 36 tokens), each prompt on one
+    rank. On ragged GRPO batches the heaviest rank carries no more than under the row-by-row balance or the
+    plain split (prompts counted once on each rank), every rank gets as many rows as the plain split gives it,
+    and the results come back in the rows' order. Where each rank's rows are whole prompts, two or more (here 8
+    of 4 rows on 4 ranks, 64 of 8 on 8), every prompt stays on one rank: the ranks carry each prompt once in
+    all, where the row-by-row balance carries it on every rank its rows reach."""
+    from rlx.dispatch import balance, balanced_order, gather, shard, unbalance
+    from rlx.step import prompt_shares
+
+    response = torch.tensor([[1] * 5 + [0] * 3, [1] + [0] * 7, [1] * 8, [1] * 3 + [0] * 5]).repeat_interleave(2, 0)
+    hand = Batch({"prompts": torch.arange(4).repeat_interleave(2)[:, None].expand(8, 10) + 3,
+                  "prompt_mask": torch.ones(8, 10, dtype=torch.long), "response_mask": response})
+    assert balanced_order(hand, 2, share_prompts=True) == [2, 3, 4, 5, 0, 1, 6, 7]
+    for parts, groups, n, whole in [(2, 8, 4, False), (4, 8, 4, True), (2, 6, 8, False), (3, 8, 4, False),
+                                    (4, 3, 8, False), (8, 64, 8, True)]:
+        for seed in range(4):
+            batch = grouped(groups, n, seed)
+            shares = prompt_shares(batch)
+            balanced, order = balance(batch, parts, share_prompts=True)
+            ranks = shard(balanced, parts)
+            assert [len(b) for b in ranks] == [len(b) for b in shard(batch, parts)]
+            carried = [shares.load(b["row"].tolist()) for b in ranks]
+            by_rows = [shares.load(b["row"].tolist()) for b in shard(balance(batch, parts)[0], parts)]
+            plain = [shares.load(b["row"].tolist()) for b in shard(batch, parts)]
+            assert max(carried) <= min(max(by_rows), max(plain)), (parts, groups, seed, carried, by_rows, plain)
+            if whole:
+                reach = [{int(r) // n for r in b["row"]} for b in ranks]  # the prompts each rank holds
+                assert [sum(g in held for held in reach) for g in range(groups)] == [1] * groups
+                assert sum(carried) == shares.load(list(range(len(batch)))) < sum(by_rows)
+            back = unbalance(gather(ranks), order)
+            for key, value in batch.tensors.items():
+                assert torch.equal(back[key], value), key
+
+
 def test_roles_are_balanced_under_dynamic_batch_sizes_only() -> None:
     from rlx.dispatch import balanced_roles
     from rlx.registry import get_plugin_manager
@@ -305,12 +352,15 @@ def test_roles_are_balanced_under_dynamic_batch_sizes_only() -> None:
 
     pm = get_plugin_manager()
 
-    def roles(*overrides: str) -> frozenset[str]:
+    def roles(*overrides: str) -> dict[str, bool]:
         return balanced_roles(load_config(pm, preset="tiny", overrides=list(overrides)).config)
 
-    assert roles() == frozenset()
-    assert roles("actor.use_dynamic_bsz=true") == {"actor", "ref"}  # the reference scores like the actor
-    assert roles("critic.use_dynamic_bsz=true") == {"critic"}
+    assert roles() == {}
+    # the reference scores like the actor; a role that shares prompts keeps a prompt's rows on one rank
+    assert roles("actor.use_dynamic_bsz=true") == {"actor": True, "ref": True}
+    assert roles("actor.use_dynamic_bsz=true", "actor.share_prompts=false") == {"actor": False, "ref": False}
+    assert roles("critic.use_dynamic_bsz=true", "critic.share_prompts=false") == {"critic": False}
+    assert roles("critic.use_dynamic_bsz=true", "critic.use_remove_padding=false") == {"critic": False}
 
 
 BALANCED_UPDATE = textwrap.dedent('''
@@ -331,7 +381,7 @@ BALANCED_UPDATE = textwrap.dedent('''
 
     def main(nproc, out):
         launcher = build(LocalOptions(nproc=nproc), BuildContext(None, RunInfo(out, "p", "e", {{}})))
-        launcher.balanced_roles = frozenset({{"actor"}})  # what actor.use_dynamic_bsz=true gives
+        launcher.balanced_roles = {{"actor": False}}  # actor.use_dynamic_bsz=true, share_prompts=false
         dynamic = {{"use_dynamic_bsz": True, "ppo_max_token_len": 30, "ppo_max_token_len_option": "ppo",
                    "log_prob_max_token_len": 30, "log_prob_max_token_len_option": "log_prob"}}
         spec = RoleSpec(role="actor", model_path=builtin.resolve("builtin:tiny-qwen2"), trainable=True, lr=3e-4,
