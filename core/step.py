@@ -110,7 +110,7 @@ def _even_bins(tokens: list[int], order: list[int], budget: int, count: int) -> 
         fits = [b for b in range(count) if loads[b] + tokens[i] <= budget]
         if not fits:
             return None
-        b = min(fits, key=lambda b: (loads[b], b))
+        b = min(fits, key=lambda b: (loads[b], len(bins[b]), b))  # rows of no tokens fill empty groups too
         bins[b].append(i)
         loads[b] += tokens[i]
     return [sorted(rows) for rows in bins]
@@ -174,7 +174,6 @@ class PromptShares(NamedTuple):
             total += self.responses[row] + (0 if self.groups[row] in seen else self.prompts[row])
             seen.add(self.groups[row])
         return total
-
 
     def members(self) -> list[list[int]]:
         """The rows of each prompt, in row order (prompts in the order of their first row)."""
@@ -252,7 +251,7 @@ def micro_batches(engine: StepEngine, batch: Batch, size: int, budget: tuple[int
             shares = prompt_shares(batch)
             items = _shared_items(shares, max_tokens)
             loads = [load for _, load in items]
-        local = len(_token_bins(loads, max_tokens, 0))
+        local = len(_first_fit(loads, sorted(range(len(loads)), key=lambda i: (-loads[i], i)), max_tokens)[0])
     count = int(engine.all_reduce([float(local)], op="max")[0])
     if len(batch) < count:
         raise RuntimeError(f"a data-parallel rank got {len(batch)} rows for {count} micro-batches; "

@@ -145,7 +145,6 @@ class ProcessLauncher(PhaseSwitch):
     """The training pool's N processes (and the rollout pool's K) with torch.distributed; this process is
     rank 0 (see the module doc)."""
 
-
     def __init__(self, options: LocalOptions, device: str, seed: int) -> None:
         import multiprocessing as mp
 

@@ -178,7 +178,6 @@ def _failure(exc: BaseException) -> _Failure:
 class RayLauncher(PhaseSwitch):
     """Ray actors as the workers (see the module doc); this process drives and is not a rank."""
 
-
     def __init__(self, options: RayOptions, device: str, seed: int) -> None:
         ray = require("ray", "ray", "The ray launcher (launcher.name=ray)")
         self.ray = ray

@@ -88,6 +88,7 @@ def test_token_bins_are_even_not_a_remainder():
     bins = _token_bins(tokens, 60, 0)  # first-fit: 30+25+5, 20+15+10; even: 30+15+10 = 55 and 25+20+5 = 50
     assert [sum(tokens[i] for i in b) for b in bins] == [55, 50]
     assert [len(b) for b in _token_bins([10] * 8, 70, 3)] == [3, 3, 2]  # another rank needs three
+    assert [len(b) for b in _token_bins([0, 0, 0], 10, 3)] == [1, 1, 1]  # rows of no tokens: no empty group
     # where the even rule cannot place every row, first-fit's groups stay: 3+3 and 2+2+2 under a budget of 6,
     # where lightest-first puts the 3s apart, a 2 beside each, and has no room for the last 2
     tokens = [3, 3, 2, 2, 2]

@@ -315,8 +315,9 @@ def test_balanced_dispatch_keeps_a_prompts_rows_on_one_rank_where_they_share_it(
     rank. On ragged GRPO batches the heaviest rank carries no more than under the row-by-row balance or the
     plain split (prompts counted once on each rank), every rank gets as many rows as the plain split gives it,
     and the results come back in the rows' order. Where each rank's rows are whole prompts, two or more (here 8
-    of 4 rows on 4 ranks, 64 of 8 on 8), every prompt stays on one rank: the ranks carry each prompt once in
-    all, where the row-by-row balance carries it on every rank its rows reach."""
+    of 4 rows on 4 ranks, 64 of 8 on 8), the grouped order wins on these seeds and every prompt stays on one
+    rank: the ranks carry each prompt once in all, where the row-by-row balance carries it on every rank its
+    rows reach."""
     from rlx.dispatch import balance, balanced_order, gather, shard, unbalance
     from rlx.step import prompt_shares
 
