@@ -503,6 +503,9 @@ def main() -> int:
     ap.add_argument("--l2-prefetch", default=None, metavar="MODE[:SCHEDULE]",
                     help="the hf engine's L2 prefetch of the decode step's weights (rlx.plugins.rollout.hf_prefetch: "
                     "off, line, bulk or load; schedule mlp or mlp+next) for this run")
+    ap.add_argument("--first-fit-micro-batches", action="store_true",
+                    help="token-budget micro-batches as first-fit fills them (rlx.step.EVEN_MICRO_BATCHES off), "
+                    "the before of the even ones")
     ap.add_argument("overrides", nargs="*", help="Extra dotted overrides for the rlx run.")
     args = ap.parse_intermixed_args()  # overrides may follow --parts and the other options
     if args.smoke and args.profile:
@@ -524,6 +527,11 @@ def main() -> int:
             ap.error(f"--l2-prefetch {args.l2_prefetch}: expected off, line, bulk or load, then :mlp or :mlp+next")
         hf_prefetch.MODE, hf_prefetch.SCHEDULE = mode, schedule or "mlp"  # type: ignore[assignment]
         record("hf_prefetch", args.l2_prefetch)
+    if args.first_fit_micro_batches:
+        from rlx import step as rlx_step
+
+        rlx_step.EVEN_MICRO_BATCHES = False
+        record("even_micro_batches", False)
     parts = (args.parts or ("trl,rlx,rlx_gc,rlx_bf16,rlx_async,gen" if args.smoke else "trl,rlx,rlx_gc,gen")).split(",")
     unknown = [p for p in parts if p not in ("trl", "rlx", "rlx_gc", "rlx_bf16", "rlx_async", "gen")]
     if unknown:

@@ -30,14 +30,5 @@ echo "fastest at 64 rows: $BEST"
 g "fast_l2_$BEST" "$OUT/fast_l2" --steps 4 --parts rlx,trl $F --l2-prefetch "$BEST"
 left=$((585 - SECONDS))
 [ "$left" -gt 60 ] && g fast_off "$OUT/fast_off" --steps 4 --parts rlx $F --l2-prefetch off
-for d in fast_l2 fast_off; do
-  [ -f "$OUT/$d/results.json" ] || continue
-  python3 - "$OUT/$d/results.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = [k for k in r if any(s in k for s in ("timing/step", "timing/gen", "timing/update_actor", "/peak_gib"))
-        and "peak_gib/" not in k and "first" not in k]
-print(sys.argv[1].split("/")[-2], {k: round(r[k], 3) for k in keys if isinstance(r[k], (int, float))})
-PY
-done
+python3 benchmarks/step_summary.py "$OUT/fast_l2/results.json" "$OUT/fast_off/results.json"
 echo "seconds: $SECONDS"

@@ -22,12 +22,4 @@ if [ "$left" -gt 60 ]; then
   left=$((570 - SECONDS))
   [ "$left" -gt 40 ] && timeout "$left" python3 benchmarks/decode_speed.py --shape 0.5b --batch 8 --without split-attention --out "$OUT/decode_nosplit.json" 2>&1 | grep -E "rows|ms" | tail -3
 fi
-for d in fast_off fast_on lean_on lean_on20k; do
-  python3 - "$OUT/$d/results.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = [k for k in r if any(s in k for s in ("timing/step", "timing/gen", "timing/update_actor", "/peak_gib"))
-        and "peak_gib/" not in k and "first" not in k]
-print(sys.argv[1].split("/")[-2], {k: round(r[k], 3) for k in keys if isinstance(r[k], (int, float))})
-PY
-done
+python3 benchmarks/step_summary.py "$OUT/fast_off/results.json" "$OUT/fast_on/results.json" "$OUT/lean_on/results.json" "$OUT/lean_on20k/results.json"

@@ -4,7 +4,7 @@
 # (over 5 minutes) or finds its result wrong fails this one. Every output goes to a temporary folder, removed
 # at the end. Run from the repository root in the dev virtualenv:
 #   bash benchmarks/smoke.sh
-# Not here: gpu_env.sh, gpu_vision_check.sh, perf_probe.sh and real_model_*.sh set up or run GPU-machine
+# Not here: gpu_env.sh, gpu_vision_check.sh, the *_probe.sh calls and real_model_*.sh set up or run GPU-machine
 # sessions (wheels, profiles, a real model), and remax_sweep.sh is builtin_learning.py over 5 seeds per
 # setting (its smoke below).
 set -euo pipefail

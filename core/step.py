@@ -61,6 +61,11 @@ def row_tokens(batch: Batch) -> list[int]:
     return [int(v) for v in (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()]
 
 
+# Token-budget micro-batches of nearly equal tokens (_token_bins); False: first-fit's, as before 2026-12-07
+# (benchmarks/grpo_vs_trl.py --first-fit-micro-batches is the A/B).
+EVEN_MICRO_BATCHES = True
+
+
 def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
     """Row indices in ``count`` groups of at most ``budget`` tokens each (``count`` is at most the number of
     rows), or in as many as first-fit decreasing needs if that is more, with nearly equal token counts.
@@ -72,7 +77,7 @@ def _token_bins(tokens: list[int], budget: int, count: int) -> list[list[int]]:
     """
     order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
     bins, loads = _first_fit(tokens, order, budget)
-    even = _even_bins(tokens, order, budget, max(count, len(bins)))
+    even = _even_bins(tokens, order, budget, max(count, len(bins))) if EVEN_MICRO_BATCHES else None
     if even is not None:
         return even
     while len(bins) < count:
