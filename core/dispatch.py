@@ -33,10 +33,10 @@ def shard(value: Any, parts: int) -> list[Any]:
 def balanced_roles(config: Any) -> dict[str, bool]:
     """The roles whose calls are balanced over data-parallel ranks by tokens, each with whether its workers
     carry a shared prompt once (``share_prompts`` with packed rows, no Ulysses, not megatron; then a prompt's
-    rows go to one rank together). Balanced are
-    those with dynamic batch sizes (``actor.use_dynamic_bsz``, which the reference follows, and
-    ``critic.use_dynamic_bsz``), as verl balances under dynamic batch sizes. Without it a rank's micro-batches
-    are counted in rows, and moving rows between ranks would only change the float order of the update's sums."""
+    rows go to one rank together). Balanced are those with dynamic batch sizes (``actor.use_dynamic_bsz``,
+    which the reference follows, and ``critic.use_dynamic_bsz``), as verl balances under dynamic batch sizes.
+    Without it a rank's micro-batches are counted in rows, and moving rows between ranks would only change the
+    float order of the update's sums."""
     if config is None:
         return {}
     actor, critic = config.actor, config.critic

@@ -191,8 +191,8 @@ class PromptShares(NamedTuple):
 def prompt_shares(batch: Batch) -> PromptShares:
     """The :class:`PromptShares` of ``batch`` (it needs ``prompts``, ``prompt_mask`` and ``response_mask``)."""
     return PromptShares([int(g) for g in prompt_groups(batch).tolist()],
-                   [int(v) for v in batch["prompt_mask"].sum(-1).tolist()],
-                   [int(v) for v in batch["response_mask"].sum(-1).tolist()])
+                        [int(v) for v in batch["prompt_mask"].sum(-1).tolist()],
+                        [int(v) for v in batch["response_mask"].sum(-1).tolist()])
 
 
 def _shared_items(shares: PromptShares, budget: int) -> list[tuple[list[int], int]]:
