@@ -346,6 +346,33 @@ def test_balanced_dispatch_keeps_a_prompts_rows_on_one_rank_where_they_share_it(
                 assert torch.equal(back[key], value), key
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_a_worker_group_balances_as_its_role_says(share: bool) -> None:
+    """The launchers' dispatch (ProcessWorkerGroup.call, under every launcher) sends each rank the rows of
+    balanced_order with its role's share flag, and gives the per-row results back in the batch's order."""
+    from rlx.dispatch import balanced_order
+    from rlx.plugins.launchers._process import ProcessWorkerGroup
+    from rlx.protocols import DispatchInfo, TrainWorker
+
+    class Launcher:
+        def __init__(self) -> None:
+            self.balanced_roles = {"actor": share}
+            self.sent: list[Any] = []
+
+        def run(self, cmd: Any, shares: list[Any], ranks: list[int]) -> list[Any]:
+            self.sent = shares
+            return [Batch({"row": b["row"] * 10}) for b in shares]  # a per-row result
+
+    launcher = Launcher()
+    group = ProcessWorkerGroup(launcher, "actor", [DispatchInfo(r, 4, True) for r in range(4)])
+    batch = grouped(8, 4, 0)
+    out = group.call(TrainWorker.compute_log_probs, batch)
+    order = balanced_order(batch, 4, share_prompts=share)
+    assert order is not None and order != balanced_order(batch, 4, share_prompts=not share)
+    assert [b["row"].tolist() for b in launcher.sent] == [order[8 * r:8 * (r + 1)] for r in range(4)]
+    assert out["row"].tolist() == [10 * i for i in range(len(batch))]
+
+
 def test_roles_are_balanced_under_dynamic_batch_sizes_only() -> None:
     from rlx.dispatch import balanced_roles
     from rlx.registry import get_plugin_manager
