@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -143,19 +144,20 @@ def _place(items: list[list[int]], load: Callable[[list[int]], int], room: list[
     room = list(room)
     totals = [0] * parts
     ranks: list[list[list[int]]] = [[] for _ in range(parts)]
-    queue = sorted(items, key=lambda item: (-load(item), item[0]))
+    queue = [(-load(item), item[0], item) for item in items]  # heaviest first (items start at distinct rows)
+    heapq.heapify(queue)
     while queue:
-        item = queue.pop(0)
+        weight, _, item = heapq.heappop(queue)
         fits = [r for r in range(parts) if room[r] >= len(item)]
         if fits:
             r = min(fits, key=lambda r: (totals[r], r))
         else:
             r = max(range(parts), key=lambda r: (room[r], -totals[r], -r))
             item, rest = item[:room[r]], item[room[r]:]
-            queue.append(rest)
-            queue.sort(key=lambda item: (-load(item), item[0]))
+            heapq.heappush(queue, (-load(rest), rest[0], rest))
+            weight = -load(item)
         ranks[r].append(item)
-        totals[r] += load(item)
+        totals[r] -= weight
         room[r] -= len(item)
     return ranks
 

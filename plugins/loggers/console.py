@@ -215,7 +215,7 @@ class ConsoleLogger:
         # `finally`), the run stopped: it is not done (the error's own message follows this line).
         stopped = sys.exc_info()[1] is not None
         if self.last_step is None:
-            self._print("stopped before the first step" if stopped else "done: no steps logged")
+            self._print("stopped before the first step" if stopped else "done: no new steps")
             return
         steps = f"step {self.last_step}" + (f"/{self.total}" if self.total else "")
         parts = [f"stopped at {steps}" if stopped else f"done: {steps}"]

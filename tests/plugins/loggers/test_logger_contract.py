@@ -150,7 +150,7 @@ def test_console_total_steps_and_finish_without_steps():
     logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(), console=Console(file=out, color_system=None))
     logger.finish()
     logger.finish()  # once only
-    assert out.getvalue() == "done: no steps logged\n"
+    assert out.getvalue() == "done: no new steps\n"
     # finished by the trainer's `finally` while an error leaves it before any step: not "done"
     out = io.StringIO()
     logger = console_mod.ConsoleLogger(console_mod.ConsoleOptions(), console=Console(file=out, color_system=None))
