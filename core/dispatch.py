@@ -147,7 +147,7 @@ def _place(items: list[list[int]], load: Callable[[list[int]], int], room: list[
     queue = [(-load(item), item[0], item) for item in items]  # heaviest first (items start at distinct rows)
     heapq.heapify(queue)
     while queue:
-        weight, _, item = heapq.heappop(queue)
+        neg_load, _, item = heapq.heappop(queue)
         fits = [r for r in range(parts) if room[r] >= len(item)]
         if fits:
             r = min(fits, key=lambda r: (totals[r], r))
@@ -155,9 +155,9 @@ def _place(items: list[list[int]], load: Callable[[list[int]], int], room: list[
             r = max(range(parts), key=lambda r: (room[r], -totals[r], -r))
             item, rest = item[:room[r]], item[room[r]:]
             heapq.heappush(queue, (-load(rest), rest[0], rest))
-            weight = -load(item)
+            neg_load = -load(item)
         ranks[r].append(item)
-        totals[r] -= weight
+        totals[r] -= neg_load
         room[r] -= len(item)
     return ranks
 
